@@ -1,0 +1,46 @@
+# The README's commands. Each target runs the idempotent set-up first
+# (scripts/bootstrap.sh: OpenMPI, .venv, torch, Horovod built and cached).
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+NP ?= 2
+# OpenMPI refuses to run as root without these; harmless otherwise.
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export PYTHONUNBUFFERED := 1
+# Oversubscribing 2 cores with 2 ranks x N threads makes everything crawl.
+export OMP_NUM_THREADS ?= 1
+MPIRUN := mpirun --allow-run-as-root --oversubscribe -np $(NP) --bind-to none --map-by slot \
+	--mca btl self,tcp,vader -x OMP_NUM_THREADS -x PYTHONUNBUFFERED -x PATH
+# A hung collective must fail the run, never hang CI: pytest-timeout fails a
+# test (per-test limit in pyproject.toml), this cap ends the whole launcher.
+RUN_CAP ?= timeout --signal=KILL 1200
+
+.PHONY: setup test test-unit test-parallel test-mpi test-gloo demo bench lint convergence docker-check clean
+
+setup:
+	bash scripts/bootstrap.sh
+
+test: setup
+	$(MAKE) --no-print-directory lint test-unit test-mpi test-gloo
+
+test-unit:
+	$(PY) -m pytest tests/unit
+
+test-parallel: test-mpi test-gloo
+
+test-mpi:
+	$(RUN_CAP) $(MPIRUN) $(PY) -m pytest tests/parallel -p no:cacheprovider
+
+test-gloo:
+	$(RUN_CAP) $(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo \
+		$(PY) -m pytest tests/parallel -p no:cacheprovider
+
+lint:
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache

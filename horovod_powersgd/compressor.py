@@ -1,0 +1,380 @@
+"""The PowerSGD math on local tensors: no communication, testable in one process.
+
+`PowerSGDCompressor` owns, for every compressed parameter, an n x m matrix view
+of its gradient plus error (M), a rank-r P (n x r) and Q (m x r), and the Q
+memory that warm-starts the next step. All of it is allocated once:
+
+* matrices of the same shape, dtype and device form a *group*; their M, P, Q
+  and Q memory are stacked (k, n, m) / (k, n, r) / (k, m, r) tensors, so every
+  power-iteration half is one batched matmul per group;
+* groups of the same dtype and device form a *bucket*; the P and Q of all its
+  groups are views into one flat buffer each, so the communication layer can
+  send all P (and later all Q) of a step in one collective.
+
+One step, as the caller drives it (W workers; "sum" is an all-reduce that the
+caller performs between the calls):
+
+    begin_step()                   # pick this step's Q (warm start / fresh)
+    compress(param, grad)          # 1-2. M = grad + e;  P = M·Q        (per layer)
+    p_buffers()                    # 3.   -> caller sums all P
+    project(p_sums)                # 4-5. P̂ = orth(P);  Q_w = Mᵀ·P̂     -> caller averages Q
+    update_error()                 # 6b.  e = M − P̂·Q_wᵀ (overlaps the Q collective)
+    decompress(q_avgs)             # 6a.  grad = P̂·Q_avgᵀ;  Q memory = Q_avg
+
+Non-finite gradients (an AMP overflow step) make the summed P non-finite on
+every rank alike; for those matrices the error buffer is reset to zero and the
+Q memory keeps its last finite value, so later steps never see NaN/Inf. The
+decompressed gradient is left non-finite so that `GradScaler` skips the step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from .config import PowerSGDConfig
+
+
+def matrix_shape(shape: torch.Size) -> Tuple[int, int]:
+    """(n, m) of the matrix view of a tensor: first dimension by all the others.
+
+    A conv weight (out, in, kh, kw) becomes (out, in·kh·kw).
+    """
+    n = shape[0]
+    m = 1
+    for d in shape[1:]:
+        m *= d
+    return n, m
+
+
+def orthogonalize_(matrices: torch.Tensor) -> torch.Tensor:
+    """Orthonormalise the columns of each matrix of a (k, n, r) batch, in place.
+
+    Modified Gram-Schmidt, batched over k: every matrix is normalised by its own
+    column norms (never one norm for the whole batch). A column that is zero
+    (or numerically zero) stays zero instead of becoming NaN.
+
+    Example:
+        >>> p = torch.randn(3, 10, 2)
+        >>> q = orthogonalize_(p)
+        >>> torch.allclose(q.transpose(1, 2) @ q, torch.eye(2).expand(3, 2, 2), atol=1e-5)
+        True
+    """
+    tiny = torch.finfo(matrices.dtype).tiny
+    rank = matrices.shape[-1]
+    for i in range(rank):
+        col = matrices[:, :, i : i + 1]
+        norm = torch.linalg.vector_norm(col, dim=1, keepdim=True)
+        # where() instead of clamp: a zero column must give zeros, and 1/norm of a
+        # subnormal norm overflows to inf, so such columns count as zero as well.
+        col.mul_(torch.where(norm > tiny, norm.reciprocal(), torch.zeros_like(norm)))
+        if i + 1 < rank:
+            rest = matrices[:, :, i + 1 :]
+            rest.sub_(col @ (col.transpose(1, 2) @ rest))
+    return matrices
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype PowerSGD state and math use for parameters of `dtype`.
+
+    16-bit parameters get float32 state: the error buffer accumulates small
+    residuals that bfloat16 would round away, and Gram-Schmidt needs the range.
+    """
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+@dataclass
+class _Group:
+    """Compressed matrices of one shape (n, m), rank r, dtype and device."""
+
+    n: int
+    m: int
+    rank: int
+    names: List[str] = field(default_factory=list)
+    # Filled in by _Bucket.allocate():
+    matrices: Optional[torch.Tensor] = None  # (k, n, m): M during a step, error buffer between steps
+    p: Optional[torch.Tensor] = None  # (k, n, r) in the compute dtype
+    q_local: Optional[torch.Tensor] = None  # (k, m, r): this worker's Q_w = Mᵀ·P̂
+    q_memory: Optional[torch.Tensor] = None  # (k, m, r): warm start, identical on every rank
+    p_comm: Optional[torch.Tensor] = None  # views of the buffers that travel
+    q_comm: Optional[torch.Tensor] = None
+    finite: Optional[torch.Tensor] = None  # (k, 1, 1) bool: summed P finite this step
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+
+class _Bucket:
+    """All groups of one (device, compute dtype): one flat P and one flat Q buffer."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, comm_dtype, seed: int):
+        self.device = device
+        self.dtype = dtype
+        self.comm_dtype = comm_dtype or dtype
+        self.groups: "OrderedDict[Tuple[int, int, int], _Group]" = OrderedDict()
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def allocate(self, error_feedback: bool):
+        def flat(total_per_group, dtype):
+            return torch.zeros(sum(total_per_group), dtype=dtype, device=self.device)
+
+        p_sizes = [g.count * g.n * g.rank for g in self.groups.values()]
+        q_sizes = [g.count * g.m * g.rank for g in self.groups.values()]
+        self.p = flat(p_sizes, self.dtype)
+        self.q_local = flat(q_sizes, self.dtype)
+        self.q_memory = flat(q_sizes, self.dtype)
+        separate = self.comm_dtype != self.dtype
+        # P is summed in place, so it may share storage with its compute copy;
+        # Q_w must survive its collective (the error update needs it): own buffer.
+        self.p_comm = flat(p_sizes, self.comm_dtype) if separate else self.p
+        self.q_comm = flat(q_sizes, self.comm_dtype)
+        p_off = q_off = 0
+        for g, p_size, q_size in zip(self.groups.values(), p_sizes, q_sizes):
+            g.matrices = torch.zeros(g.count, g.n, g.m, dtype=self.dtype, device=self.device)
+            g.p = self.p[p_off : p_off + p_size].view(g.count, g.n, g.rank)
+            g.p_comm = self.p_comm[p_off : p_off + p_size].view(g.count, g.n, g.rank)
+            g.q_local = self.q_local[q_off : q_off + q_size].view(g.count, g.m, g.rank)
+            g.q_memory = self.q_memory[q_off : q_off + q_size].view(g.count, g.m, g.rank)
+            g.q_comm = self.q_comm[q_off : q_off + q_size].view(g.count, g.m, g.rank)
+            p_off += p_size
+            q_off += q_size
+        self.q_memory.normal_(generator=self.generator)
+        self.error_feedback = error_feedback
+
+
+class PowerSGDCompressor:
+    """Rank-r PowerSGD compression with warm start and error feedback, local part.
+
+    Args:
+        named_tensors: (name, tensor) pairs whose gradients may be compressed;
+            the tensor fixes shape, dtype and device.
+        config: the PowerSGDConfig; `rank`, `min_compression_rate`,
+            `error_feedback`, `warm_start`, `seed` and `comm_dtype` apply here.
+
+    Memory added per compressed parameter of n x m elements (compute dtype):
+    n·m for M/error buffer, plus 3·r·(n+m) for P, Q_w, Q memory (and the
+    comm_dtype copies when it differs).
+
+    Example:
+        >>> w = torch.zeros(64, 32)
+        >>> c = PowerSGDCompressor([("w", w)], PowerSGDConfig(rank=2))
+        >>> c.compressed_names
+        ['w']
+        >>> c.begin_step(); c.compress("w", torch.randn(64, 32))
+        >>> q = c.project(c.p_buffers())     # one worker: the "sum" is the tensor itself
+        >>> c.update_error(); c.decompress(q)["w"].shape
+        torch.Size([64, 32])
+    """
+
+    def __init__(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], config: PowerSGDConfig):
+        self.config = config
+        self.buckets: "OrderedDict[Tuple[torch.device, torch.dtype], _Bucket]" = OrderedDict()
+        self._where: Dict[str, Tuple[_Group, int]] = {}
+        self._shapes: Dict[str, torch.Size] = {}
+        for name, tensor in named_tensors:
+            if not config.compresses(tensor.shape):
+                continue
+            n, m = matrix_shape(tensor.shape)
+            dtype = compute_dtype(tensor.dtype)
+            key = (tensor.device, dtype)
+            if key not in self.buckets:
+                # Seed per bucket so that buckets draw independent, rank-identical streams.
+                self.buckets[key] = _Bucket(
+                    tensor.device, dtype, config.comm_dtype, config.seed + len(self.buckets)
+                )
+            bucket = self.buckets[key]
+            shape_key = (n, m, config.matrix_rank(n, m))
+            group = bucket.groups.setdefault(shape_key, _Group(*shape_key))
+            self._where[name] = (group, group.count)
+            self._shapes[name] = tensor.shape
+            group.names.append(name)
+        for bucket in self.buckets.values():
+            bucket.allocate(config.error_feedback)
+
+    # --- structure ----------------------------------------------------------------
+    @property
+    def compressed_names(self) -> List[str]:
+        return list(self._where)
+
+    def is_compressed(self, name: str) -> bool:
+        return name in self._where
+
+    def _groups(self):
+        for bucket in self.buckets.values():
+            yield from bucket.groups.values()
+
+    def elements_per_step(self) -> Tuple[int, int]:
+        """(elements of P, elements of Q) that one step sends, over all buckets."""
+        p = sum(b.p_comm.numel() for b in self.buckets.values())
+        q = sum(b.q_comm.numel() for b in self.buckets.values())
+        return p, q
+
+    def bytes_per_step(self) -> int:
+        """Bytes of P plus Q that one step sends, at the dtype they travel in."""
+        return sum(
+            (b.p_comm.numel() + b.q_comm.numel()) * b.p_comm.element_size()
+            for b in self.buckets.values()
+        )
+
+    # --- one step -----------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Choose this step's Q: the memory (warm start) or a fresh random draw.
+
+        A Q memory column that is all zero (its layer's M was zero everywhere,
+        e.g. a frozen or unused layer) would keep P = M·Q zero forever; such
+        columns are redrawn. The draw is made every step, on every rank alike,
+        so generators stay in step; it costs r·m numbers per layer, small next
+        to the n·m of the gradient.
+        """
+        for bucket in self.buckets.values():
+            # q_local is free until project(): use it as scratch for the draw.
+            bucket.q_local.normal_(generator=bucket.generator)
+            if not self.config.warm_start:
+                bucket.q_memory.copy_(bucket.q_local)
+                continue
+            for g in bucket.groups.values():
+                dead = torch.linalg.vector_norm(g.q_memory, dim=1, keepdim=True) == 0
+                torch.where(dead, g.q_local, g.q_memory, out=g.q_memory)
+
+    def compress(self, name: str, grad: Optional[torch.Tensor]) -> None:
+        """Steps 1-2 for one parameter: M = grad (+ error), P = M·Q.
+
+        `grad` None counts as a zero gradient (a parameter unused this step).
+        """
+        group, i = self._where[name]
+        matrix = group.matrices[i]
+        if grad is not None:
+            grad = grad.reshape(group.n, group.m)
+            if self.config.error_feedback:
+                matrix.add_(grad)
+            else:
+                matrix.copy_(grad)
+        elif not self.config.error_feedback:
+            matrix.zero_()
+        torch.matmul(matrix, group.q_memory[i], out=group.p[i])
+
+    def p_buffers(self) -> List[torch.Tensor]:
+        """Step 3: the flat P buffers (one per bucket) for the caller to sum in place."""
+        for bucket in self.buckets.values():
+            if bucket.p_comm is not bucket.p:
+                bucket.p_comm.copy_(bucket.p)
+        return [bucket.p_comm for bucket in self.buckets.values()]
+
+    def project(self, p_sums: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Steps 4-5: orthogonalise the summed P, then Q_w = Mᵀ·P̂.
+
+        Args:
+            p_sums: the buffers returned by `p_buffers`, now summed (or
+                averaged) over workers.
+
+        Returns:
+            The flat Q buffers (one per bucket) for the caller to average in place.
+        """
+        for bucket, p_sum in zip(self.buckets.values(), p_sums):
+            if bucket.p_comm is not bucket.p:
+                bucket.p.copy_(p_sum)
+            for g in bucket.groups.values():
+                g.finite = torch.isfinite(g.p).all(dim=2, keepdim=True).all(dim=1, keepdim=True)
+                orthogonalize_(g.p)
+                torch.bmm(g.matrices.transpose(1, 2), g.p, out=g.q_local)
+            bucket.q_comm.copy_(bucket.q_local)
+        return [bucket.q_comm for bucket in self.buckets.values()]
+
+    def update_error(self) -> None:
+        """Step 6b: e = M − P̂·Q_wᵀ (what this worker's compression dropped).
+
+        Only needs this worker's Q_w, so it can run while the Q collective is in
+        flight. Without error feedback there is nothing to keep.
+        """
+        if not self.config.error_feedback:
+            return
+        for g in self._groups():
+            g.matrices.baddbmm_(g.p, g.q_local.transpose(1, 2), alpha=-1)
+            g.matrices.masked_fill_(~g.finite, 0)
+
+    def decompress(self, q_avgs: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Step 6a: the aggregated gradient P̂·Q_avgᵀ of every compressed parameter.
+
+        Also stores Q_avg as next step's Q memory (where it is finite).
+
+        Returns:
+            name -> gradient, shaped like the parameter (freshly allocated).
+        """
+        grads: Dict[str, torch.Tensor] = {}
+        for bucket, q_avg in zip(self.buckets.values(), q_avgs):
+            q_off = 0
+            for g in bucket.groups.values():
+                size = g.count * g.m * g.rank
+                q = q_avg[q_off : q_off + size].view(g.count, g.m, g.rank)
+                q_off += size
+                keep = g.finite & torch.isfinite(q).all(dim=2, keepdim=True).all(dim=1, keepdim=True)
+                torch.where(keep, q.to(bucket.dtype), g.q_memory, out=g.q_memory)
+                # The gradient uses the Q that was sent, finite or not: a
+                # non-finite gradient must reach the optimizer (GradScaler skips it).
+                out = torch.bmm(g.p, q.to(bucket.dtype).transpose(1, 2))
+                for i, name in enumerate(g.names):
+                    grads[name] = out[i].view(self._shapes[name])
+        return grads
+
+    # --- checkpoints --------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This worker's compressor state: error buffers, Q memory, RNG states.
+
+        Tensors are detached views (like `nn.Module.state_dict`); save them
+        before the next step.
+        """
+        error, memory = {}, {}
+        for g in self._groups():
+            for i, name in enumerate(g.names):
+                error[name] = g.matrices[i].detach()
+                memory[name] = g.q_memory[i].detach()
+        return {
+            "error_buffers": error,
+            "q_memory": memory,
+            "rng_states": [b.generator.get_state() for b in self.buckets.values()],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()` output; validates everything before changing anything."""
+        for key in ("error_buffers", "q_memory", "rng_states"):
+            if key not in state:
+                raise ValueError(f"PowerSGD state has no '{key}': not a horovod_powersgd checkpoint")
+        for key in ("error_buffers", "q_memory"):
+            saved = state[key]
+            if set(saved) != set(self._where):
+                missing = sorted(set(self._where) - set(saved))
+                extra = sorted(set(saved) - set(self._where))
+                raise ValueError(
+                    f"PowerSGD checkpoint does not match this model's compressed parameters "
+                    f"({key}): missing {missing[:5]}, unexpected {extra[:5]}"
+                )
+            for name, tensor in saved.items():
+                group, i = self._where[name]
+                expected = group.matrices[i] if key == "error_buffers" else group.q_memory[i]
+                if tuple(tensor.shape) != tuple(expected.shape):
+                    raise ValueError(
+                        f"PowerSGD checkpoint: {key}[{name!r}] has shape {tuple(tensor.shape)}, "
+                        f"this model needs {tuple(expected.shape)} (a different model or rank?)"
+                    )
+        if len(state["rng_states"]) != len(self.buckets):
+            raise ValueError(
+                f"PowerSGD checkpoint has {len(state['rng_states'])} RNG states, "
+                f"this model needs {len(self.buckets)}"
+            )
+        for key in ("error_buffers", "q_memory"):
+            for name, tensor in state[key].items():
+                group, i = self._where[name]
+                target = group.matrices[i] if key == "error_buffers" else group.q_memory[i]
+                target.copy_(tensor)
+        for bucket, rng in zip(self.buckets.values(), state["rng_states"]):
+            bucket.generator.set_state(rng.cpu() if hasattr(rng, "cpu") else rng)
+
+    def reset_error(self) -> None:
+        """Forget the residuals (e.g. after the set of workers changed)."""
+        for g in self._groups():
+            g.matrices.zero_()

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Set up everything horovod-powersgd needs, idempotently:
+#   system packages (OpenMPI, compilers, cmake, data sets) -> .venv -> torch ->
+#   this project (editable, with extras) -> Horovod built from source against
+#   that torch, its wheel cached so the second run takes seconds.
+# Used by the Makefile, the Dockerfile and CI, so there is one recipe only.
+#
+# Variables (defaults in brackets):
+#   TORCH_VERSION [2.13.0]  HOROVOD_VERSION [0.28.1]  VENV [.venv]
+#   PYTHON [python3]        EXTRAS [test,dev]
+#   WHEEL_CACHE [~/.cache/horovod-powersgd/wheels]
+#   SKIP_APT=1 skips the system-package step (e.g. in an image that already has them).
+set -euo pipefail
+
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+HOROVOD_VERSION=${HOROVOD_VERSION:-0.28.1}
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+EXTRAS=${EXTRAS:-test,dev}
+WHEEL_CACHE=${WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/horovod-powersgd/wheels}
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+
+log() { printf '[bootstrap] %s\n' "$*" >&2; }
+
+# --- 1. system packages --------------------------------------------------------
+# OpenMPI for the MPI controller, a C++ toolchain and cmake to compile Horovod,
+# iproute2 for the benchmark's bandwidth cap, and two Debian data sets the
+# examples train on (no download at run time).
+APT_PACKAGES=(libopenmpi-dev openmpi-bin build-essential cmake git iproute2
+              dataset-fashion-mnist python3.11-doc)
+if [[ "${SKIP_APT:-0}" != 1 ]] && command -v dpkg-query >/dev/null; then
+  missing=()
+  for p in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+  done
+  if ((${#missing[@]})); then
+    if [[ $(id -u) -ne 0 ]]; then
+      log "missing system packages: ${missing[*]}"
+      log "install them as root:  apt-get install -y --no-install-recommends ${missing[*]}"
+      exit 1
+    fi
+    log "apt-get install ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+fi
+
+# --- 2. virtualenv, torch, this project -----------------------------------------
+if [[ ! -x "$VENV/bin/python" ]]; then
+  log "creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PY="$ROOT/$VENV/bin/python"
+pip_q() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
+
+have_torch=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
+if [[ "$have_torch" != "$TORCH_VERSION" ]]; then
+  log "installing torch==$TORCH_VERSION"
+  pip_q "torch==$TORCH_VERSION"
+fi
+# Build helpers Horovod's setup.py needs when built without isolation.
+"$PY" -c 'import wheel, setuptools' 2>/dev/null || pip_q wheel setuptools
+
+stamp="$VENV/.project-installed"
+if [[ ! -f "$stamp" || setup.py -nt "$stamp" || pyproject.toml -nt "$stamp" ]]; then
+  log "installing horovod-powersgd (editable, extras: $EXTRAS)"
+  pip_q -e ".[$EXTRAS]"
+  touch "$stamp"
+fi
+
+# --- 3. Horovod, built against this torch ---------------------------------------
+gpu_ops=""
+if command -v nvcc >/dev/null && "$PY" -c 'import torch,sys; sys.exit(not torch.version.cuda)'; then
+  gpu_ops=NCCL
+fi
+build_opts="pytorch-gloo-mpi${gpu_ops:+-nccl}"
+key="horovod${HOROVOD_VERSION}-torch${TORCH_VERSION}-${build_opts}-$(uname -m)"
+cached="$WHEEL_CACHE/$key"
+
+installed_key=$(cat "$VENV/.horovod-key" 2>/dev/null || true)
+if [[ "$installed_key" != "$key" ]] || ! "$PY" -c 'import horovod.torch' 2>/dev/null; then
+  if ! ls "$cached"/horovod-*.whl >/dev/null 2>&1; then
+    log "building Horovod $HOROVOD_VERSION against torch $TORCH_VERSION ($build_opts); takes minutes"
+    src=$(mktemp -d)
+    trap 'rm -rf "$src"' EXIT
+    "$PY" -m pip download -q --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$src"
+    tar -xzf "$src"/horovod-*.tar.gz -C "$src"
+    srcdir=$(echo "$src"/horovod-*/)
+    # Horovod 0.28.1 compiles with C++14, but torch >= 2.1 headers need C++17.
+    # Upstream fixed this on master (horovod/horovod PR #3998, CMAKE_CXX_STANDARD
+    # 17) but never released it, so apply that one change when torch needs it.
+    if "$PY" -c 'import torch,sys; v=tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(v < (2, 1))'; then
+      sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
+        "$srcdir/CMakeLists.txt" "$srcdir/horovod/torch/CMakeLists.txt"
+    fi
+    mkdir -p "$cached.tmp"
+    (
+      cd "$srcdir"
+      export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1
+      export HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
+      if [[ -n "$gpu_ops" ]]; then export HOROVOD_GPU_OPERATIONS=$gpu_ops; fi
+      "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$cached.tmp" .
+    )
+    rm -rf "$cached" && mv "$cached.tmp" "$cached"
+  fi
+  log "installing cached Horovod wheel ($key)"
+  pip_q --force-reinstall --no-deps "$cached"/horovod-*.whl
+  pip_q cloudpickle psutil pyyaml packaging  # Horovod's own runtime requirements
+  echo "$key" > "$VENV/.horovod-key"
+fi
+
+"$VENV/bin/horovodrun" --check-build

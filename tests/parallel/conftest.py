@@ -1,0 +1,70 @@
+"""Harness for tests that run on every rank under `mpirun` or `horovodrun`.
+
+Every rank runs the same tests in the same order. After each test the ranks
+exchange their outcome with one all-reduce, so a failure on any rank fails that
+test on every rank (and the ranks stay in step for the next test). A test marked
+``world_size(n)`` is skipped unless exactly n processes are running.
+"""
+
+import os
+
+import horovod.torch as hvd
+import pytest
+import torch
+
+hvd.init()
+torch.manual_seed(1234 + hvd.rank())
+
+
+def pytest_configure(config):
+    if hvd.rank() != 0:
+        # One report is enough to read; every rank still asserts and exits non-zero on failure.
+        config.option.verbose = -1
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        marker = item.get_closest_marker("world_size")
+        if marker is not None and marker.args[0] != hvd.size():
+            item.add_marker(
+                pytest.mark.skip(reason=f"needs {marker.args[0]} processes, running {hvd.size()}")
+            )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call":
+        item.failed_here = report.failed
+
+
+_outcome_counter = 0
+
+
+@pytest.fixture(autouse=True)
+def all_ranks_agree(request):
+    """Fail a test on every rank when it failed on any rank."""
+    global _outcome_counter
+    yield
+    _outcome_counter += 1
+    failed_here = float(getattr(request.node, "failed_here", False))
+    flags = hvd.allgather(torch.tensor([failed_here]), name=f"test.outcome.{_outcome_counter}")
+    failed_ranks = [r for r, f in enumerate(flags.tolist()) if f]
+    if failed_ranks and not failed_here:
+        pytest.fail(f"failed on rank(s) {failed_ranks}", pytrace=False)
+
+
+@pytest.fixture
+def rank():
+    return hvd.rank()
+
+
+@pytest.fixture
+def size():
+    return hvd.size()
+
+
+def controller():
+    """'mpi' or 'gloo': which Horovod controller this run uses."""
+    return "gloo" if os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR") else "mpi"
