@@ -6,9 +6,18 @@ Change one line of a Horovod script::
     opt = horovod_powersgd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
 """
 
-from .config import PowerSGDConfig
 from .compressor import PowerSGDCompressor, orthogonalize_
+from .config import PowerSGDConfig
+from .optimizer import DistributedOptimizer, load_checkpoint, save_checkpoint
 
 __version__ = "0.1.0"
 
-__all__ = ["PowerSGDCompressor", "PowerSGDConfig", "__version__", "orthogonalize_"]
+__all__ = [
+    "DistributedOptimizer",
+    "PowerSGDCompressor",
+    "PowerSGDConfig",
+    "__version__",
+    "load_checkpoint",
+    "orthogonalize_",
+    "save_checkpoint",
+]

@@ -339,8 +339,10 @@ class PowerSGDCompressor:
             "rng_states": [b.generator.get_state() for b in self.buckets.values()],
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict()` output; validates everything before changing anything."""
+    def check_state_dict(self, state: dict) -> None:
+        """Raise ValueError, naming the cause, if `state` does not fit this model."""
+        if not isinstance(state, dict):
+            raise ValueError("PowerSGD state must be a dict from state_dict()")
         for key in ("error_buffers", "q_memory", "rng_states"):
             if key not in state:
                 raise ValueError(f"PowerSGD state has no '{key}': not a horovod_powersgd checkpoint")
@@ -366,6 +368,10 @@ class PowerSGDCompressor:
                 f"PowerSGD checkpoint has {len(state['rng_states'])} RNG states, "
                 f"this model needs {len(self.buckets)}"
             )
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()` output; validates everything before changing anything."""
+        self.check_state_dict(state)
         for key in ("error_buffers", "q_memory"):
             for name, tensor in state[key].items():
                 group, i = self._where[name]

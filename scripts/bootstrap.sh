@@ -107,7 +107,7 @@ if [[ "$installed_key" != "$key" ]] || ! "$PY" -c 'import horovod.torch' 2>/dev/
   fi
   log "installing cached Horovod wheel ($key)"
   pip_q --force-reinstall --no-deps "$cached"/horovod-*.whl
-  pip_q cloudpickle psutil pyyaml packaging  # Horovod's own runtime requirements
+  pip_q "$cached"/horovod-*.whl  # now its runtime requirements (cffi, cloudpickle, ...)
   echo "$key" > "$VENV/.horovod-key"
 fi
 
