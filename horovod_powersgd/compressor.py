@@ -30,15 +30,15 @@ decompressed gradient is left non-finite so that `GradScaler` skips the step.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from .config import PowerSGDConfig
 
 
-def matrix_shape(shape: torch.Size) -> Tuple[int, int]:
+def matrix_shape(shape: torch.Size) -> tuple[int, int]:
     """(n, m) of the matrix view of a tensor: first dimension by all the others.
 
     A conv weight (out, in, kh, kw) becomes (out, in·kh·kw).
@@ -53,7 +53,7 @@ def matrix_shape(shape: torch.Size) -> Tuple[int, int]:
 def orthogonalize_(matrices: torch.Tensor) -> torch.Tensor:
     """Orthonormalise the columns of each matrix of a (k, n, r) batch, in place.
 
-    Modified Gram-Schmidt, batched over k: every matrix is normalised by its own
+    Modified Gram-Schmidt with re-orthogonalisation, batched over k: every matrix is normalised by its own
     column norms (never one norm for the whole batch). A column that is zero
     (or numerically zero) stays zero instead of becoming NaN.
 
@@ -67,6 +67,12 @@ def orthogonalize_(matrices: torch.Tensor) -> torch.Tensor:
     rank = matrices.shape[-1]
     for i in range(rank):
         col = matrices[:, :, i : i + 1]
+        if i > 0:
+            # Second projection against the columns before ("twice is enough"):
+            # when a column is nearly dependent on them, one pass leaves mostly
+            # rounding noise that still points along them.
+            done = matrices[:, :, :i]
+            col.sub_(done @ (done.transpose(1, 2) @ col))
         norm = torch.linalg.vector_norm(col, dim=1, keepdim=True)
         # where() instead of clamp: a zero column must give zeros, and 1/norm of a
         # subnormal norm overflows to inf, so such columns count as zero as well.
@@ -93,15 +99,15 @@ class _Group:
     n: int
     m: int
     rank: int
-    names: List[str] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
     # Filled in by _Bucket.allocate():
-    matrices: Optional[torch.Tensor] = None  # (k, n, m): M during a step, error buffer between steps
-    p: Optional[torch.Tensor] = None  # (k, n, r) in the compute dtype
-    q_local: Optional[torch.Tensor] = None  # (k, m, r): this worker's Q_w = Mᵀ·P̂
-    q_memory: Optional[torch.Tensor] = None  # (k, m, r): warm start, identical on every rank
-    p_comm: Optional[torch.Tensor] = None  # views of the buffers that travel
-    q_comm: Optional[torch.Tensor] = None
-    finite: Optional[torch.Tensor] = None  # (k, 1, 1) bool: summed P finite this step
+    matrices: torch.Tensor | None = None  # (k, n, m): M during a step, error buffer between steps
+    p: torch.Tensor | None = None  # (k, n, r) in the compute dtype
+    q_local: torch.Tensor | None = None  # (k, m, r): this worker's Q_w = Mᵀ·P̂
+    q_memory: torch.Tensor | None = None  # (k, m, r): warm start, identical on every rank
+    p_comm: torch.Tensor | None = None  # views of the buffers that travel
+    q_comm: torch.Tensor | None = None
+    finite: torch.Tensor | None = None  # (k, 1, 1) bool: summed P finite this step
 
     @property
     def count(self) -> int:
@@ -115,11 +121,11 @@ class _Bucket:
         self.device = device
         self.dtype = dtype
         self.comm_dtype = comm_dtype or dtype
-        self.groups: "OrderedDict[Tuple[int, int, int], _Group]" = OrderedDict()
+        self.groups: OrderedDict[tuple[int, int, int], _Group] = OrderedDict()
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def allocate(self, error_feedback: bool):
+    def allocate(self):
         def flat(total_per_group, dtype):
             return torch.zeros(sum(total_per_group), dtype=dtype, device=self.device)
 
@@ -144,7 +150,6 @@ class _Bucket:
             p_off += p_size
             q_off += q_size
         self.q_memory.normal_(generator=self.generator)
-        self.error_feedback = error_feedback
 
 
 class PowerSGDCompressor:
@@ -171,11 +176,11 @@ class PowerSGDCompressor:
         torch.Size([64, 32])
     """
 
-    def __init__(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], config: PowerSGDConfig):
+    def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: PowerSGDConfig):
         self.config = config
-        self.buckets: "OrderedDict[Tuple[torch.device, torch.dtype], _Bucket]" = OrderedDict()
-        self._where: Dict[str, Tuple[_Group, int]] = {}
-        self._shapes: Dict[str, torch.Size] = {}
+        self.buckets: OrderedDict[tuple[torch.device, torch.dtype], _Bucket] = OrderedDict()
+        self._where: dict[str, tuple[_Group, int]] = {}
+        self._shapes: dict[str, torch.Size] = {}
         for name, tensor in named_tensors:
             if not config.compresses(tensor.shape):
                 continue
@@ -194,11 +199,11 @@ class PowerSGDCompressor:
             self._shapes[name] = tensor.shape
             group.names.append(name)
         for bucket in self.buckets.values():
-            bucket.allocate(config.error_feedback)
+            bucket.allocate()
 
     # --- structure ----------------------------------------------------------------
     @property
-    def compressed_names(self) -> List[str]:
+    def compressed_names(self) -> list[str]:
         return list(self._where)
 
     def is_compressed(self, name: str) -> bool:
@@ -208,7 +213,7 @@ class PowerSGDCompressor:
         for bucket in self.buckets.values():
             yield from bucket.groups.values()
 
-    def elements_per_step(self) -> Tuple[int, int]:
+    def elements_per_step(self) -> tuple[int, int]:
         """(elements of P, elements of Q) that one step sends, over all buckets."""
         p = sum(b.p_comm.numel() for b in self.buckets.values())
         q = sum(b.q_comm.numel() for b in self.buckets.values())
@@ -241,7 +246,7 @@ class PowerSGDCompressor:
                 dead = torch.linalg.vector_norm(g.q_memory, dim=1, keepdim=True) == 0
                 torch.where(dead, g.q_local, g.q_memory, out=g.q_memory)
 
-    def compress(self, name: str, grad: Optional[torch.Tensor]) -> None:
+    def compress(self, name: str, grad: torch.Tensor | None) -> None:
         """Steps 1-2 for one parameter: M = grad (+ error), P = M·Q.
 
         `grad` None counts as a zero gradient (a parameter unused this step).
@@ -258,14 +263,14 @@ class PowerSGDCompressor:
             matrix.zero_()
         torch.matmul(matrix, group.q_memory[i], out=group.p[i])
 
-    def p_buffers(self) -> List[torch.Tensor]:
+    def p_buffers(self) -> list[torch.Tensor]:
         """Step 3: the flat P buffers (one per bucket) for the caller to sum in place."""
         for bucket in self.buckets.values():
             if bucket.p_comm is not bucket.p:
                 bucket.p_comm.copy_(bucket.p)
         return [bucket.p_comm for bucket in self.buckets.values()]
 
-    def project(self, p_sums: List[torch.Tensor]) -> List[torch.Tensor]:
+    def project(self, p_sums: list[torch.Tensor]) -> list[torch.Tensor]:
         """Steps 4-5: orthogonalise the summed P, then Q_w = Mᵀ·P̂.
 
         Args:
@@ -297,7 +302,7 @@ class PowerSGDCompressor:
             g.matrices.baddbmm_(g.p, g.q_local.transpose(1, 2), alpha=-1)
             g.matrices.masked_fill_(~g.finite, 0)
 
-    def decompress(self, q_avgs: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
+    def decompress(self, q_avgs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Step 6a: the aggregated gradient P̂·Q_avgᵀ of every compressed parameter.
 
         Also stores Q_avg as next step's Q memory (where it is finite).
@@ -305,14 +310,16 @@ class PowerSGDCompressor:
         Returns:
             name -> gradient, shaped like the parameter (freshly allocated).
         """
-        grads: Dict[str, torch.Tensor] = {}
+        grads: dict[str, torch.Tensor] = {}
         for bucket, q_avg in zip(self.buckets.values(), q_avgs):
             q_off = 0
             for g in bucket.groups.values():
                 size = g.count * g.m * g.rank
                 q = q_avg[q_off : q_off + size].view(g.count, g.m, g.rank)
                 q_off += size
-                keep = g.finite & torch.isfinite(q).all(dim=2, keepdim=True).all(dim=1, keepdim=True)
+                keep = g.finite & torch.isfinite(q).all(dim=2, keepdim=True).all(
+                    dim=1, keepdim=True
+                )
                 torch.where(keep, q.to(bucket.dtype), g.q_memory, out=g.q_memory)
                 # The gradient uses the Q that was sent, finite or not: a
                 # non-finite gradient must reach the optimizer (GradScaler skips it).
@@ -345,7 +352,9 @@ class PowerSGDCompressor:
             raise ValueError("PowerSGD state must be a dict from state_dict()")
         for key in ("error_buffers", "q_memory", "rng_states"):
             if key not in state:
-                raise ValueError(f"PowerSGD state has no '{key}': not a horovod_powersgd checkpoint")
+                raise ValueError(
+                    f"PowerSGD state has no '{key}': not a horovod_powersgd checkpoint"
+                )
         for key in ("error_buffers", "q_memory"):
             saved = state[key]
             if set(saved) != set(self._where):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -52,7 +51,7 @@ class PowerSGDConfig:
     # Seed of the random Q; the same on every rank, so P = M·Q can be summed.
     seed: int = 0
     # dtype P and Q travel in (None: the compute dtype); orthogonalisation stays float32 or wider.
-    comm_dtype: Optional[torch.dtype] = None
+    comm_dtype: torch.dtype | None = None
     # --- Horovod semantics ------------------------------------------------------
     # Local backward passes accumulated before one communication step.
     backward_passes_per_step: int = 1

@@ -13,12 +13,11 @@ import os
 import pickle
 import warnings
 from contextlib import contextmanager
-from typing import Dict, List, Optional
 
 import horovod.torch as hvd
 import torch
 
-from .compressor import PowerSGDCompressor, matrix_shape
+from .compressor import PowerSGDCompressor
 from .config import PowerSGDConfig
 
 # Each optimizer gets its own collective names; ranks build optimizers in the
@@ -56,9 +55,9 @@ class _DistributedOptimizer:
         self.process_set = process_set
         self._name = f"powersgd.{next(_instances)}"
 
-        self._names: Dict[torch.Tensor, str] = {p: name for name, p in named_parameters}
+        self._names: dict[torch.Tensor, str] = {p: name for name, p in named_parameters}
         # Parameters that get a gradient, in a fixed order (that of param_groups).
-        self._params: List[torch.Tensor] = [
+        self._params: list[torch.Tensor] = [
             p for group in self.param_groups for p in group["params"] if p.requires_grad
         ]
         for p in self._params:
@@ -69,13 +68,13 @@ class _DistributedOptimizer:
                 )
         self._check_same_model_on_every_rank()
 
-        self.compressor = PowerSGDCompressor(
-            [(self._names[p], p) for p in self._params], config
-        )
+        self.compressor = PowerSGDCompressor([(self._names[p], p) for p in self._params], config)
         self._uncompressed = [
             p for p in self._params if not self.compressor.is_compressed(self._names[p])
         ]
-        self._compressed = [p for p in self._params if self.compressor.is_compressed(self._names[p])]
+        self._compressed = [
+            p for p in self._params if self.compressor.is_compressed(self._names[p])
+        ]
 
         # --- per step (internal) ---------------------------------------------------
         self._delay = {p: config.backward_passes_per_step for p in self._params}
@@ -95,8 +94,11 @@ class _DistributedOptimizer:
         plain_bytes = sum(p.numel() * _wire_size(p) for p in self._uncompressed)
         self._per_step = {
             "warmup": (numel, numel, raw_bytes),
-            "compressed": (numel, p_elems + q_elems + plain_elems,
-                           self.compressor.bytes_per_step() + plain_bytes),
+            "compressed": (
+                numel,
+                p_elems + q_elems + plain_elems,
+                self.compressor.bytes_per_step() + plain_bytes,
+            ),
         }
         self._stats = {"steps": 0, "elements_uncompressed": 0, "elements_sent": 0, "bytes_sent": 0}
 
@@ -110,9 +112,9 @@ class _DistributedOptimizer:
         Otherwise the fused collectives would mismatch and hang. All ranks
         compare all signatures, so all of them raise the same error.
         """
-        signature = [
-            (self._names[p], tuple(p.shape), str(p.dtype)) for p in self._params
-        ] + [("config", repr(self.config), str(self.op))]
+        signature = [(self._names[p], tuple(p.shape), str(p.dtype)) for p in self._params] + [
+            ("config", repr(self.config), str(self.op))
+        ]
         blob = pickle.dumps(signature)
         digest = torch.frombuffer(bytearray(hashlib.sha256(blob).digest()), dtype=torch.uint8)
         digests = hvd.allgather(
@@ -190,8 +192,11 @@ class _DistributedOptimizer:
         p_tensors = self.compressor.p_buffers() if self._compressing else []
         tensors = p_tensors + plain_tensors
         self._round1 = hvd.grouped_allreduce_async_(
-            tensors, name=f"{self._name}.round1", op=self.op,
-            process_set=self.process_set, **self._scale()
+            tensors,
+            name=f"{self._name}.round1",
+            op=self.op,
+            process_set=self.process_set,
+            **self._scale(),
         )
         self._round1_count = len(p_tensors)
 
@@ -221,8 +226,11 @@ class _DistributedOptimizer:
             p_sums = list(outputs[: self._round1_count])
             q_buffers = self.compressor.project(p_sums)  # steps 4-5
             round2 = hvd.grouped_allreduce_async_(
-                q_buffers, name=f"{self._name}.round2", op=self.op,
-                process_set=self.process_set, **self._scale()
+                q_buffers,
+                name=f"{self._name}.round2",
+                op=self.op,
+                process_set=self.process_set,
+                **self._scale(),
             )
             self.compressor.update_error()  # step 6b, overlapping the Q collective
             q_avgs = hvd.synchronize(round2)
@@ -364,7 +372,7 @@ def DistributedOptimizer(
     error_feedback: bool = True,
     warm_start: bool = True,
     seed: int = 0,
-    comm_dtype: Optional[torch.dtype] = None,
+    comm_dtype: torch.dtype | None = None,
     backward_passes_per_step: int = 1,
     op=hvd.Average,
     gradient_predivide_factor: float = 1.0,
@@ -525,9 +533,11 @@ def _check_named_parameters(optimizer, named_parameters):
     return [(name, p) for name, p in named_parameters if id(p) in param_ids]
 
 
-def _allgather_bytes(blob: bytes, name: str, process_set) -> List[bytes]:
+def _allgather_bytes(blob: bytes, name: str, process_set) -> list[bytes]:
     data = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    sizes = hvd.allgather(torch.tensor([data.numel()]), name=f"{name}.sizes", process_set=process_set)
+    sizes = hvd.allgather(
+        torch.tensor([data.numel()]), name=f"{name}.sizes", process_set=process_set
+    )
     gathered = hvd.allgather(data, name=f"{name}.data", process_set=process_set)
     out, offset = [], 0
     for size in sizes.tolist():
@@ -546,7 +556,10 @@ def _first_difference(mine, other, my_rank, other_rank) -> str:
         if a != b:
             if a[0] == "config":
                 return f"settings on rank {my_rank}: {a[1:]}; on rank {other_rank}: {b[1:]}"
-            return f"parameter {a[0]!r} {a[1:]} on rank {my_rank}, {b[0]!r} {b[1:]} on rank {other_rank}"
+            return (
+                f"parameter {a[0]!r} {a[1:]} on rank {my_rank}, "
+                f"{b[0]!r} {b[1:]} on rank {other_rank}"
+            )
     return "unknown difference"
 
 
@@ -597,12 +610,18 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer, map_location=N
     else:
         # Resized job: take rank 0's file of the old world (Q memory and RNG are
         # identical on every rank); load_state_dict resets the residuals.
-        saved = sorted(f for f in os.listdir(os.path.dirname(os.path.abspath(path)) or ".")
-                       if f.startswith(os.path.basename(path) + ".powersgd-rank0-of-"))
+        saved = sorted(
+            f
+            for f in os.listdir(os.path.dirname(os.path.abspath(path)) or ".")
+            if f.startswith(os.path.basename(path) + ".powersgd-rank0-of-")
+        )
         if not saved:
             raise FileNotFoundError(f"no PowerSGD state beside {path} (expected {own})")
-        ours = torch.load(os.path.join(os.path.dirname(os.path.abspath(path)), saved[0]),
-                          map_location=map_location, weights_only=False)
+        ours = torch.load(
+            os.path.join(os.path.dirname(os.path.abspath(path)), saved[0]),
+            map_location=map_location,
+            weights_only=False,
+        )
     optimizer_state = dict(common["optimizer"])
     optimizer_state[_STATE_KEY] = ours
     optimizer.compressor.check_state_dict(ours["compressor"])

@@ -1,0 +1,261 @@
+"""The PowerSGD math in one process; W workers are simulated by summing buffers."""
+
+import pytest
+import torch
+
+from horovod_powersgd import PowerSGDCompressor, PowerSGDConfig, orthogonalize_
+
+
+def make_workers(shapes, workers=2, **config):
+    cfg = PowerSGDConfig(**config)
+    named = [(f"w{i}", torch.zeros(shape)) for i, shape in enumerate(shapes)]
+    return [PowerSGDCompressor(named, cfg) for _ in range(workers)]
+
+
+def simulated_step(compressors, grads, op="average"):
+    """One PowerSGD step on every simulated worker; the all-reduces are sums here.
+
+    grads: per worker, a dict name -> gradient. Returns per worker the dict of
+    decompressed gradients, plus per worker (M, P̂, Q_w) of every matrix.
+    """
+    world = len(compressors)
+    for c, g in zip(compressors, grads):
+        c.begin_step()
+        for name in c.compressed_names:
+            c.compress(name, g[name])
+    ms = [{n: c._where[n][0].matrices[c._where[n][1]].clone() for n in c.compressed_names}
+          for c in compressors]
+    p_bufs = [c.p_buffers() for c in compressors]
+    p_sums = [sum(bufs[i].clone() for bufs in p_bufs) for i in range(len(p_bufs[0]))]
+    for bufs in p_bufs:
+        for buf, total in zip(bufs, p_sums):
+            buf.copy_(total)
+    q_bufs = [c.project(bufs) for c, bufs in zip(compressors, p_bufs)]
+    locals_ = [
+        {n: (c._where[n][0].p[c._where[n][1]].clone(), c._where[n][0].q_local[c._where[n][1]].clone())
+         for n in c.compressed_names}
+        for c in compressors
+    ]
+    divisor = world if op == "average" else 1
+    q_sums = [sum(bufs[i].clone() for bufs in q_bufs) / divisor for i in range(len(q_bufs[0]))]
+    for bufs in q_bufs:
+        for buf, total in zip(bufs, q_sums):
+            buf.copy_(total)
+    for c in compressors:
+        c.update_error()
+    outs = [c.decompress(bufs) for c, bufs in zip(compressors, q_bufs)]
+    return outs, ms, locals_
+
+
+def error_buffer(c, name):
+    group, i = c._where[name]
+    return group.matrices[i]
+
+
+def q_memory(c, name):
+    group, i = c._where[name]
+    return group.q_memory[i]
+
+
+def test_orthogonalize_normalises_every_matrix_by_its_own_norms():
+    torch.manual_seed(0)
+    batch = torch.randn(3, 20, 4)
+    batch[0] *= 1e6
+    batch[2] *= 1e-6
+    orthogonalize_(batch)
+    eye = torch.eye(4).expand(3, 4, 4)
+    assert torch.allclose(batch.transpose(1, 2) @ batch, eye, atol=1e-5)
+
+
+def test_orthogonalize_all_zero_gives_zeros_not_nan():
+    batch = torch.zeros(2, 8, 3)
+    batch[1, :, 0] = 1.0  # one matrix with one non-zero column, the rest zero
+    orthogonalize_(batch)
+    assert torch.isfinite(batch).all()
+    assert torch.equal(batch[0], torch.zeros(8, 3))
+    assert torch.allclose(batch[1, :, 0].norm(), torch.tensor(1.0))
+
+
+def test_rate_test_and_matrix_views():
+    cfg = PowerSGDConfig(rank=2, min_compression_rate=2.0)
+    assert not cfg.compresses(torch.Size([100]))  # 1-D: never
+    assert not cfg.compresses(torch.Size([]))  # 0-d: never
+    assert not cfg.compresses(torch.Size([4, 4]))  # 16 < 2*2*8
+    assert cfg.compresses(torch.Size([64, 3, 3, 3]))  # conv as 64 x 27: 1728 >= 2*2*91
+    c = PowerSGDCompressor([("conv", torch.zeros(64, 3, 3, 3))], cfg)
+    group, _ = c._where["conv"]
+    assert (group.n, group.m, group.rank) == (64, 27, 2)
+    # rank is capped at min(n, m)
+    assert PowerSGDConfig(rank=50, min_compression_rate=0).matrix_rank(8, 30) == 8
+
+
+def test_full_rank_equals_plain_average():
+    torch.manual_seed(1)
+    shapes = [(8, 30), (6, 5, 2)]
+    workers = make_workers(shapes, workers=3, rank=64, min_compression_rate=0)
+    grads = [{f"w{i}": torch.randn(s) for i, s in enumerate(shapes)} for _ in workers]
+    outs, _, _ = simulated_step(workers, grads)
+    for i, _ in enumerate(shapes):
+        expected = sum(g[f"w{i}"] for g in grads) / 3
+        for out in outs:
+            torch.testing.assert_close(out[f"w{i}"], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_rank1_gradient_reproduced_exactly_at_rank1_and_no_error_left():
+    torch.manual_seed(2)
+    u, v = torch.randn(40, 1), torch.randn(1, 30)
+    grad = u @ v
+    (c,) = make_workers([(40, 30)], workers=1, rank=1)
+    outs, _, _ = simulated_step([c], [{"w0": grad}])
+    torch.testing.assert_close(outs[0]["w0"], grad, rtol=1e-4, atol=1e-5)
+    assert error_buffer(c, "w0").abs().max() < 1e-4
+
+
+def test_error_feedback_invariant_m_equals_pq_plus_e():
+    torch.manual_seed(3)
+    shapes = [(32, 48), (32, 48), (16, 64)]  # two of one shape share a batched group
+    workers = make_workers(shapes, workers=2, rank=2)
+    for _ in range(3):
+        grads = [{f"w{i}": torch.randn(s) for i, s in enumerate(shapes)} for _ in workers]
+        _, ms, locals_ = simulated_step(workers, grads)
+        for c, m, loc in zip(workers, ms, locals_):
+            for name in c.compressed_names:
+                p_hat, q_w = loc[name]
+                torch.testing.assert_close(m[name], p_hat @ q_w.T + error_buffer(c, name))
+
+
+def test_error_feedback_delivers_the_whole_gradient_over_time():
+    # Nothing is lost: applied updates plus the residual add up to the true
+    # gradients exactly, and the residual stays bounded, so for a constant
+    # gradient the applied sum converges to it.
+    torch.manual_seed(4)
+    grad = torch.randn(20, 30)
+    (c,) = make_workers([(20, 30)], workers=1, rank=1)
+    applied = torch.zeros_like(grad)
+    steps = 200
+    for _ in range(steps):
+        outs, _, _ = simulated_step([c], [{"w0": grad}])
+        applied += outs[0]["w0"]
+    torch.testing.assert_close(applied + error_buffer(c, "w0"), steps * grad, rtol=1e-4, atol=1e-3)
+    assert (applied - steps * grad).norm() / (steps * grad).norm() < 0.1
+    # Without error feedback the rank-1 projection keeps missing the rest.
+    (c2,) = make_workers([(20, 30)], workers=1, rank=1, error_feedback=False)
+    applied2 = torch.zeros_like(grad)
+    for _ in range(steps):
+        outs, _, _ = simulated_step([c2], [{"w0": grad}])
+        applied2 += outs[0]["w0"]
+    assert (applied2 - steps * grad).norm() / (steps * grad).norm() > 0.3
+
+
+def test_zero_then_nonzero_gradient_recovers():
+    # A layer whose gradient is zero for a while (frozen/unused) must not keep
+    # a zero Q memory forever: P = M·0 would stay zero.
+    (c,) = make_workers([(16, 24)], workers=1, rank=2)
+    outs, _, _ = simulated_step([c], [{"w0": torch.zeros(16, 24)}])
+    assert torch.equal(outs[0]["w0"], torch.zeros(16, 24))
+    assert torch.isfinite(q_memory(c, "w0")).all()
+    grad = torch.randn(16, 1) @ torch.randn(1, 24)
+    outs, _, _ = simulated_step([c], [{"w0": grad}])
+    torch.testing.assert_close(outs[0]["w0"], grad, rtol=1e-4, atol=1e-5)
+
+
+def test_missing_gradient_counts_as_zero():
+    (c,) = make_workers([(16, 24)], workers=1, rank=2)
+    outs, _, _ = simulated_step([c], [{"w0": None}])
+    assert torch.equal(outs[0]["w0"], torch.zeros(16, 24))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_gradient_never_poisons_state(bad):
+    torch.manual_seed(5)
+    workers = make_workers([(16, 24)], workers=2, rank=2)
+    for _ in range(2):
+        simulated_step(workers, [{"w0": torch.randn(16, 24)} for _ in workers])
+    memory_before = q_memory(workers[0], "w0").clone()
+    poisoned = torch.randn(16, 24)
+    poisoned[3, 4] = bad
+    outs, _, _ = simulated_step(workers, [{"w0": poisoned}, {"w0": torch.randn(16, 24)}])
+    # The overflow reaches the optimizer on every rank (so GradScaler skips the step) ...
+    assert all(not torch.isfinite(o["w0"]).all() for o in outs)
+    # ... but no NaN/Inf stays in the state, identically on all workers.
+    for c in workers:
+        assert torch.isfinite(error_buffer(c, "w0")).all()
+        assert torch.equal(q_memory(c, "w0"), memory_before)
+    outs, _, _ = simulated_step(workers, [{"w0": torch.randn(16, 24)} for _ in workers])
+    assert all(torch.isfinite(o["w0"]).all() for o in outs)
+
+
+def test_workers_agree_on_q_memory_and_output():
+    torch.manual_seed(6)
+    workers = make_workers([(32, 40), (10, 64)], workers=3, rank=3)
+    for _ in range(4):
+        grads = [{"w0": torch.randn(32, 40), "w1": torch.randn(10, 64)} for _ in workers]
+        outs, _, _ = simulated_step(workers, grads)
+    for c, out in zip(workers[1:], outs[1:]):
+        for name in ("w0", "w1"):
+            assert torch.equal(q_memory(c, name), q_memory(workers[0], name))
+            assert torch.equal(out[name], outs[0][name])
+
+
+def test_elements_and_bytes_follow_the_formula():
+    shapes = [(64, 3, 3, 3), (128, 64), (10,)]
+    cfg = PowerSGDConfig(rank=2, comm_dtype=torch.float16)
+    c = PowerSGDCompressor([(f"w{i}", torch.zeros(s)) for i, s in enumerate(shapes)], cfg)
+    assert c.compressed_names == ["w0", "w1"]
+    p, q = c.elements_per_step()
+    assert p == 2 * (64 + 128)
+    assert q == 2 * (27 + 64)
+    assert c.bytes_per_step() == 2 * (p + q)  # float16: 2 bytes each
+
+
+def test_comm_dtype_float16_stays_close_to_float32():
+    torch.manual_seed(7)
+    grads = [{"w0": torch.randn(32, 48)} for _ in range(2)]
+    a = make_workers([(32, 48)], workers=2, rank=4)
+    b = make_workers([(32, 48)], workers=2, rank=4, comm_dtype=torch.float16)
+    out_a, _, _ = simulated_step(a, grads)
+    out_b, _, _ = simulated_step(b, grads)
+    torch.testing.assert_close(out_b[0]["w0"], out_a[0]["w0"], rtol=2e-2, atol=2e-2)
+
+
+def test_bfloat16_parameters_get_float32_state():
+    c = PowerSGDCompressor([("w", torch.zeros(32, 48, dtype=torch.bfloat16))], PowerSGDConfig())
+    c.begin_step()
+    c.compress("w", torch.randn(32, 48, dtype=torch.bfloat16))
+    q = c.project(c.p_buffers())
+    c.update_error()
+    out = c.decompress(q)["w"]
+    assert error_buffer(c, "w").dtype == torch.float32
+    assert torch.isfinite(out).all()
+
+
+def test_state_dict_round_trip_is_bit_exact():
+    torch.manual_seed(8)
+    shapes = [(32, 48), (16, 64)]
+    data = [{f"w{i}": torch.randn(s) for i, s in enumerate(shapes)} for _ in range(8)]
+    (a,) = make_workers(shapes, workers=1, rank=2, warm_start=False)
+    for g in data[:4]:
+        simulated_step([a], [g])
+    saved = {k: (v if k == "rng_states" else {n: t.clone() for n, t in v.items()})
+             for k, v in a.state_dict().items()}
+    expected = [simulated_step([a], [g])[0][0] for g in data[4:]]
+    (b,) = make_workers(shapes, workers=1, rank=2, warm_start=False, seed=99)
+    b.load_state_dict(saved)
+    for g, exp in zip(data[4:], expected):
+        out = simulated_step([b], [g])[0][0]
+        for name in exp:
+            assert torch.equal(out[name], exp[name])
+
+
+def test_load_state_dict_from_another_model_fails_and_changes_nothing():
+    (a,) = make_workers([(32, 48)], workers=1)
+    (b,) = make_workers([(32, 64)], workers=1)
+    before = q_memory(b, "w0").clone()
+    with pytest.raises(ValueError, match="shape"):
+        b.load_state_dict(a.state_dict())
+    assert torch.equal(q_memory(b, "w0"), before)
+    (c,) = make_workers([(32, 48), (16, 64)], workers=1)
+    with pytest.raises(ValueError, match="missing"):
+        c.load_state_dict(a.state_dict())
+    with pytest.raises(ValueError, match="not a horovod_powersgd checkpoint"):
+        c.load_state_dict({"state": {}})
