@@ -41,6 +41,12 @@ test-gloo:
 lint:
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/hadolint Dockerfile docker/Dockerfile.gpu
+
+# Builds the CPU image with podman (slow: it compiles Horovod), checks that the
+# build's self-test ran and smoke-tests the image; not part of `make test`.
+docker-check:
+	bash docker/check.sh
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache
