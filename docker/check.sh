@@ -59,7 +59,10 @@ done
 # --- build ------------------------------------------------------------------------
 log "podman build --isolation chroot -t $IMAGE (log: $LOG)"
 start=$SECONDS
-if ! podman build --isolation chroot -t "$IMAGE" "${build_args[@]}" "${volumes[@]}" . \
+# --format docker: the OCI format has no SHELL, and podman would run every RUN
+# with /bin/sh, without pipefail.
+if ! podman build --isolation chroot --format docker -t "$IMAGE" \
+    "${build_args[@]}" "${volumes[@]}" . \
     >"$LOG" 2>&1; then
   tail -n 40 "$LOG" >&2
   fail "podman build failed (full log: $LOG)"
@@ -73,23 +76,60 @@ done
 grep -m1 'self-test passed:' "$LOG" >&2
 
 # --- the finished image, from the inside ----------------------------------------------
-# Run docker/smoke.sh as the image would, in a chroot of its root file system,
-# in private mount and network namespaces (nothing stays mounted, sshd's port
-# is on a loopback of its own).
+# `podman run` does not work here, so docker/chroot-node.sh runs the image as
+# a container would, in network namespaces made for this check: one node
+# (docker/smoke.sh), then two nodes on a veth pair named eth0 on both ends,
+# sshd on port 2222 in each, and horovodrun on node1 reaching node2 over ssh.
+ns1=hps-check-node1 ns2=hps-check-node2
+work=$(mktemp -d)
+cleanup() {
+  local ns
+  for ns in "$ns1" "$ns2"; do
+    # Only processes started in these namespaces by this check (sshd, orted).
+    ip netns pids "$ns" 2>/dev/null | xargs -r kill 2>/dev/null || true
+    ip netns del "$ns" 2>/dev/null || true
+  done
+  podman image unmount "$IMAGE" >/dev/null 2>&1 || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
 root=$(podman image mount "$IMAGE")
-trap 'podman image unmount "$IMAGE" >/dev/null' EXIT
-log "running docker/smoke.sh inside the image (chroot of $root)"
-# shellcheck disable=SC2016  # expanded by the inner shell
-unshare --mount --net --fork bash -euo pipefail -c '
-  root=$1
-  ip link set lo up
-  mount -t proc proc "$root/proc"
-  mount --rbind /dev "$root/dev"
-  for d in dev/shm tmp run; do mount -t tmpfs tmpfs "$root/$d"; done
-  exec chroot "$root" /usr/bin/env -i HOME=/root LANG=C.UTF-8 \
-    PATH=/opt/horovod-powersgd/.venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 \
-    bash /opt/horovod-powersgd/docker/smoke.sh
-' _ "$root" 2>&1 | tee -a "$LOG"
+IMAGE_ENV=$(podman image inspect --format '{{join .Config.Env "\n"}}' "$IMAGE")
+IMAGE_WORKDIR=$(podman image inspect --format '{{.Config.WorkingDir}}' "$IMAGE")
+IMAGE_ENTRYPOINT=$(podman image inspect --format '{{index .Config.Entrypoint 0}}' "$IMAGE")
+export IMAGE_ENV IMAGE_WORKDIR IMAGE_ENTRYPOINT
 
-log "OK: $IMAGE built, its self-test passed, and smoke.sh passed inside it"
+printf '127.0.0.1 localhost\n10.77.0.1 node1\n10.77.0.2 node2\n' > "$work/hosts"
+mkdir "$work/keys"
+ip netns add "$ns1"
+ip netns add "$ns2"
+ip link add hps-check-a type veth peer name hps-check-b
+ip link set hps-check-a netns "$ns1"
+ip link set hps-check-b netns "$ns2"
+for i in 1 2; do
+  ns=hps-check-node$i
+  dev=$( ((i == 1)) && echo hps-check-a || echo hps-check-b )
+  ip -n "$ns" link set "$dev" name eth0
+  ip -n "$ns" addr add "10.77.0.$i/24" dev eth0
+  ip -n "$ns" link set eth0 up
+  ip -n "$ns" link set lo up
+done
+node() { # node NUMBER [VAR=VALUE...] -- COMMAND...
+  local i=$1
+  shift
+  ip netns exec "hps-check-node$i" docker/chroot-node.sh "$root" "node$i" "$work/hosts" "$work/keys" "$@"
+}
+
+log "one node: docker/smoke.sh in the image"
+node 1 -- docker/smoke.sh 2>&1 | tee -a "$LOG"
+
+log "two nodes: node2 runs sshd; node1 runs horovodrun -H node1:1,node2:1 -p 2222"
+node 1 -- keygen 2>&1 | tee -a "$LOG"
+node 2 SSHD=1 -- sleep 900 >>"$LOG" 2>&1 &
+for _ in $(seq 60); do
+  ip netns exec "$ns1" bash -c '</dev/tcp/10.77.0.2/2222' 2>/dev/null && break
+  sleep 1
+done
+node 1 SSHD=1 HOSTS=node1:1,node2:1 IFACE=eth0 -- docker/smoke.sh 2>&1 | tee -a "$LOG"
+
+log "OK: $IMAGE built in $((SECONDS - start)) s all told; its self-test passed; smoke.sh passed on one node and across two"

@@ -23,10 +23,8 @@ cleanup() {
   # debootstrap mounts /proc (and may bind /dev, /sys) inside the tree and
   # leaves them mounted if it fails: unmount before deleting, never delete
   # through a mount.
-  local m
-  for m in $(awk -v r="$rootfs/" 'index($2, r) == 1 { print $2 }' /proc/mounts | sort -r); do
-    umount -l "$m" || true
-  done
+  awk -v r="$rootfs/" 'index($2, r) == 1 { print $2 }' /proc/mounts | sort -r \
+    | while read -r m; do umount -l "$m" || true; done
   rm -rf --one-file-system "$rootfs"
 }
 trap cleanup EXIT
@@ -68,6 +66,6 @@ chroot "$rootfs" apt-get clean
 rm -rf "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/*.bin
 
 log "podman import -> $IMAGE"
-tar -C "$rootfs" -c . | podman import \
+tar -C "$rootfs" -c . | podman import --quiet \
   --change 'ENV LANG=C.UTF-8' --change 'CMD ["python3"]' - "$IMAGE" >/dev/null
 podman image inspect --format '{{.Id}} {{.Size}}' "$IMAGE"
