@@ -1,0 +1,197 @@
+"""What the two examples share: flags, the optimizer switch, byte counting, metrics.
+
+Kept to the parts that are identical in both scripts; everything that teaches
+how to use Horovod or PowerSGD stays in the scripts themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import sys
+import time
+
+import horovod.torch as hvd
+import torch
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """Flags that mean the same in every example."""
+    parser.add_argument("--epochs", type=int, default=1, help="passes over the training set")
+    parser.add_argument("--seed", type=int, default=42, help="model init, shuffling and Q seed")
+    # 0 switches PowerSGD off, so the same script is the plain-Horovod baseline.
+    parser.add_argument(
+        "--powersgd-rank", type=int, default=2, help="PowerSGD rank r; 0 = plain hvd all-reduce"
+    )
+    parser.add_argument(
+        "--start-iter", type=int, default=0, help="uncompressed steps before PowerSGD starts"
+    )
+    parser.add_argument(
+        "--min-compression-rate",
+        type=float,
+        default=2.0,
+        help="compress a tensor only if it shrinks at least this much",
+    )
+    parser.add_argument(
+        "--train-subset", type=int, default=0, help="use only the first N training items; 0 = all"
+    )
+    parser.add_argument(
+        "--eval-subset", type=int, default=0, help="use only the first N evaluation items; 0 = all"
+    )
+    parser.add_argument(
+        "--max-steps", type=int, default=0, help="stop each epoch after N steps; 0 = no limit"
+    )
+    parser.add_argument(
+        "--json", metavar="PATH", default=None, help="write per-epoch metrics here (rank 0)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def parse(parser: argparse.ArgumentParser, argv):
+    args = parser.parse_args(argv)
+    for flag in ("epochs", "batch_size"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+    for flag in ("powersgd_rank", "start_iter", "train_subset", "eval_subset", "max_steps"):
+        if getattr(args, flag) < 0:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 0")
+    return args
+
+
+def seed_everything(seed: int) -> None:
+    # The same seed on every rank: identical initial weights before the broadcast
+    # anyway, and identical dropout streams make runs easy to compare.
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def distributed_optimizer(optimizer, model, args):
+    """Wrap ``optimizer`` for data-parallel training, PowerSGD unless rank is 0."""
+    if args.powersgd_rank == 0:
+        # Horovod: plain averaged all-reduce of every gradient (the baseline).
+        return hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    import horovod_powersgd as hps
+
+    # Horovod + PowerSGD: the same wrapper, low-rank compressed all-reduce.
+    return hps.DistributedOptimizer(
+        optimizer,
+        named_parameters=model.named_parameters(),
+        rank=args.powersgd_rank,
+        start_iter=args.start_iter,
+        min_compression_rate=args.min_compression_rate,
+        seed=args.seed,
+    )
+
+
+class CommunicationMeter:
+    """Cumulative communication totals in the shape of ``compression_stats()``.
+
+    PowerSGD counts its own bytes. Plain Horovod all-reduces every gradient
+    once per step at its own dtype, so the meter counts that itself.
+    """
+
+    def __init__(self, optimizer, model):
+        self.optimizer = optimizer
+        self.powersgd = hasattr(optimizer, "compression_stats")
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._elements_per_step = sum(p.numel() for p in self._params)
+        self._bytes_per_step = sum(p.numel() * p.element_size() for p in self._params)
+        self._steps = 0
+
+    def step(self) -> None:
+        """Call once after each ``optimizer.step()``."""
+        self._steps += 1
+
+    def totals(self) -> dict:
+        if self.powersgd:
+            return dict(self.optimizer.compression_stats())
+        return {
+            "steps": self._steps,
+            "elements_uncompressed": self._steps * self._elements_per_step,
+            "elements_sent": self._steps * self._elements_per_step,
+            "bytes_sent": self._steps * self._bytes_per_step,
+            "ratio": 1.0,
+        }
+
+
+def epoch_communication(before: dict, after: dict) -> dict:
+    """Bytes and ratio of the steps between two ``totals()``."""
+    sent = after["elements_sent"] - before["elements_sent"]
+    uncompressed = after["elements_uncompressed"] - before["elements_uncompressed"]
+    return {
+        "steps": after["steps"] - before["steps"],
+        "bytes_sent": int(after["bytes_sent"] - before["bytes_sent"]),
+        "ratio": uncompressed / sent if sent else 1.0,
+    }
+
+
+def sum_across_ranks(*values: float, name: str) -> list:
+    # Horovod: one all-reduce sums every rank's metrics (each rank saw a shard).
+    summed = hvd.allreduce(torch.tensor(values, dtype=torch.float64), op=hvd.Sum, name=name)
+    return summed.tolist()
+
+
+def progress(iterable, total: int, args, desc: str):
+    """A tqdm bar on rank 0 (tqdm is optional: the dev extra has it)."""
+    if args.no_progress or hvd.rank() != 0:  # Horovod: only rank 0 draws a bar.
+        return iterable
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, total=total, desc=desc, leave=False, dynamic_ncols=True)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    raise AssertionError
+
+
+def workers() -> str:
+    return f"{hvd.size()} worker{'s' if hvd.size() > 1 else ''}"
+
+
+def log(message: str) -> None:
+    if hvd.rank() == 0:  # Horovod: print on rank 0 only.
+        print(message, flush=True)
+
+
+class Recorder:
+    """Collects per-epoch metrics and writes them as JSON on rank 0."""
+
+    def __init__(self, example: str, args, argv):
+        self.start = time.perf_counter()
+        self.record = {
+            "example": example,
+            "command": " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or [])]),
+            "args": vars(args),
+            "world_size": hvd.size(),  # Horovod: number of workers.
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "epochs": [],
+        }
+        self.path = args.json
+
+    def add_epoch(self, metrics: dict) -> None:
+        metrics = dict(metrics, elapsed_s=time.perf_counter() - self.start)
+        self.record["epochs"].append(metrics)
+        self._write()
+
+    def finish(self, final: dict) -> dict:
+        self.record["final"] = dict(final, elapsed_s=time.perf_counter() - self.start)
+        self._write()
+        return self.record
+
+    def _write(self) -> None:
+        if self.path and hvd.rank() == 0:  # Horovod: one file, written by rank 0.
+            directory = os.path.dirname(os.path.abspath(self.path))
+            os.makedirs(directory, exist_ok=True)
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.record, f, indent=2, default=str)
+            os.replace(tmp, self.path)

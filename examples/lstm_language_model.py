@@ -1,0 +1,396 @@
+"""Word-level 2-layer LSTM language model trained with Horovod + PowerSGD.
+
+Launch (from the repository root):
+
+    # one process, no launcher
+    python examples/lstm_language_model.py --epochs 1
+    # 2 workers, PowerSGD rank 4
+    horovodrun -np 2 -H localhost:2 python examples/lstm_language_model.py --powersgd-rank 4
+    # the plain Horovod baseline: same script, compression off
+    horovodrun -np 2 -H localhost:2 python examples/lstm_language_model.py --powersgd-rank 0
+
+The text is the English prose of the Python 3.11 documentation sources that
+Debian's ``python3.11-doc`` installs (/usr/share/doc/python3.11/html/_sources,
+reStructuredText): markup, code samples, tables and interactive sessions are
+dropped, prose is kept. ``--text-file`` trains on any plain-text file instead.
+Paragraphs go to train/validation/test (90/5/5 %) by a hash of their text, so
+the split is fixed whatever the file order, and a repeated paragraph never
+lands in two splits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+import os
+import re
+import sys
+import time
+import zlib
+
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common
+
+DEFAULT_DOCS_DIR = "/usr/share/doc/python3.11/html/_sources"
+UNK, EOS = "<unk>", "<eos>"
+
+# --- reStructuredText -> prose ---------------------------------------------------
+# Directives whose indented body is code, tables or index entries, not prose.
+_NON_PROSE_DIRECTIVES = {
+    "code-block", "sourcecode", "code", "literalinclude", "doctest", "testcode",
+    "testoutput", "testsetup", "testcleanup", "productionlist", "index", "toctree",
+    "highlight", "csv-table", "list-table", "table", "math", "raw", "only", "include",
+    "image", "figure", "moduleauthor", "sectionauthor", "audit-event", "opcode",
+    "cmdoption", "option", "envvar", "program", "literal", "parsed-literal",
+    "graphviz", "digraph", "impl-detail", "availability",
+}  # fmt: skip
+_DIRECTIVE = re.compile(r"^(\s*)\.\.\s+([\w:-]+)::(.*)$")
+_COMMENT_OR_TARGET = re.compile(r"^(\s*)\.\.(\s|$)")
+_SECTION_LINE = re.compile(r"^\s*([=\-~^\"'`#*+_:.<>])\1{2,}\s*$")
+_TABLE_LINE = re.compile(r"^\s*[+|]|^\s*=+(\s+=+)+\s*$")
+_FIELD = re.compile(r"^\s*:[\w .-]+:\s*")
+_BULLET = re.compile(r"^\s*(?:[-*+•]|\d+\.|#\.|\([a-z0-9]\))\s+")
+_INLINE = [
+    (re.compile(r":[\w:+-]+:`~?!?([^`<]*?)\s*(?:<[^`>]*>)?`"), r"\1"),  # :role:`text <target>`
+    (re.compile(r"``([^`]*)``"), r"\1"),  # ``literal``
+    (re.compile(r"`([^`<]*?)\s*(?:<[^`>]*>)?`_{0,2}"), r"\1"),  # `link <url>`_ / `interpreted`
+    (re.compile(r"\[#?\w*\]_"), " "),  # footnote references
+    (re.compile(r"\*\*([^*]+)\*\*|\*([^*\s][^*]*)\*"), r"\1\2"),  # **strong**, *emphasis*
+    (re.compile(r"\|([\w -]+)\|"), r"\1"),  # |substitution|
+    (re.compile(r"https?://\S+"), " "),
+]
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def rst_to_prose(text: str) -> list:
+    """The prose paragraphs of a reStructuredText document, markup removed.
+
+    Drops titles' underlines, comments, link targets, code and literal blocks
+    (``::``), doctest sessions (``>>>``), tables and the bodies of non-prose
+    directives; keeps the text of notes, function descriptions and lists.
+
+    Example:
+        >>> rst_to_prose("Use :func:`len` here::\\n\\n   len(x)\\n\\nIt *counts*.\\n")
+        ['Use len here:', 'It counts.']
+    """
+    paragraphs, current = [], []
+    skip_deeper_than = None  # drop lines indented more than this (a block being skipped)
+    literal_next = False  # the previous paragraph ended with '::'
+    in_session = False  # inside a '>>>' interactive session (ends at a blank line)
+
+    def flush():
+        if current:
+            paragraphs.append(" ".join(current))
+            current.clear()
+
+    for line in text.splitlines():
+        stripped = line.strip()
+        if in_session:
+            in_session = bool(stripped)
+            continue
+        if skip_deeper_than is not None:
+            if not stripped or _indent(line) > skip_deeper_than:
+                continue
+            skip_deeper_than = None
+        if not stripped:
+            flush()
+            continue
+        if literal_next:
+            literal_next = False
+            if current == [] and _indent(line) > 0:
+                # The indented block after '::' is a literal (code) block.
+                skip_deeper_than = _indent(line) - 1
+                continue
+        directive = _DIRECTIVE.match(line)
+        if directive:
+            flush()
+            if directive.group(2) in _NON_PROSE_DIRECTIVES:
+                skip_deeper_than = len(directive.group(1))
+            continue
+        if _COMMENT_OR_TARGET.match(line):  # comment, link target or substitution definition
+            flush()
+            skip_deeper_than = _indent(line)
+            continue
+        if stripped.startswith(">>>"):
+            flush()
+            in_session = True
+            continue
+        if _SECTION_LINE.match(line) or _TABLE_LINE.match(line):
+            flush()
+            continue
+        if _BULLET.match(line):
+            flush()
+            stripped = _BULLET.sub("", line).strip()
+        stripped = _FIELD.sub("", stripped)
+        if stripped.endswith("::"):
+            literal_next = True
+            stripped = stripped[:-2].rstrip()
+            stripped = stripped + ":" if stripped and not stripped.endswith(":") else stripped
+            for pattern, repl in _INLINE:
+                stripped = pattern.sub(repl, stripped)
+            if stripped:
+                current.append(stripped)
+            flush()
+            continue
+        for pattern, repl in _INLINE:
+            stripped = pattern.sub(repl, stripped)
+        if stripped:
+            current.append(stripped)
+    flush()
+    return [" ".join(p.split()) for p in paragraphs if re.search(r"[A-Za-z]{2}", p)]
+
+
+_TOKEN = re.compile(r"[a-z]+(?:'[a-z]+)?|\d+|[.,;:!?()\"-]")
+
+
+def tokenize(paragraph: str) -> list:
+    """Lower-case words, numbers and basic punctuation, then an end-of-paragraph mark.
+
+    Example:
+        >>> tokenize("It's 42, OK.")
+        ["it's", '42', ',', 'ok', '.', '<eos>']
+    """
+    return [*_TOKEN.findall(paragraph.lower()), EOS]
+
+
+def split_of(paragraph: str) -> str:
+    """'train', 'valid' or 'test' (90/5/5 %), fixed by the paragraph's text."""
+    bucket = zlib.crc32(paragraph.encode("utf-8")) % 100
+    return "test" if bucket < 5 else "valid" if bucket < 10 else "train"
+
+
+def load_paragraphs(docs_dir: str, text_file: str | None) -> list:
+    if text_file:
+        with open(text_file, encoding="utf-8") as f:
+            text = f.read()
+        return [" ".join(p.split()) for p in re.split(r"\n\s*\n", text) if p.strip()]
+    paths = []
+    for root, _dirs, files in os.walk(docs_dir):
+        paths += [os.path.join(root, f) for f in files if f.endswith(".rst.txt")]
+    if not paths:
+        raise FileNotFoundError(
+            f"no .rst.txt files under {docs_dir}; install Debian's python3.11-doc "
+            "(scripts/bootstrap.sh does) or pass --text-file"
+        )
+    paragraphs = []
+    for path in sorted(paths):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            paragraphs += rst_to_prose(f.read())
+    return paragraphs
+
+
+class Corpus:
+    """Token ids of the three splits; vocabulary from the training split only."""
+
+    def __init__(self, paragraphs: list, vocab_size: int, train_limit: int = 0):
+        tokens = {"train": [], "valid": [], "test": []}
+        for paragraph in paragraphs:
+            tokens[split_of(paragraph)] += tokenize(paragraph)
+        if train_limit:
+            tokens["train"] = tokens["train"][:train_limit]
+        counts = collections.Counter(tokens["train"])
+        counts.pop(EOS, None)
+        counts.pop(UNK, None)
+        # Most frequent first, ties alphabetical: the same vocabulary on every rank.
+        common_words = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[: vocab_size - 2]
+        self.words = [UNK, EOS] + [w for w, _ in common_words]
+        index = {w: i for i, w in enumerate(self.words)}
+        self.ids = {
+            split: torch.tensor([index.get(t, 0) for t in toks], dtype=torch.long)
+            for split, toks in tokens.items()
+        }
+
+
+def shard_streams(ids: torch.Tensor, batch_size: int, limit: int = 0) -> torch.Tensor:
+    """This worker's ``batch_size`` parallel token streams, shape (time, batch_size).
+
+    The whole split is cut into size x batch_size equally long streams; each
+    worker takes a disjoint block of columns.
+    """
+    if limit:
+        ids = ids[:limit]
+    columns = hvd.size() * batch_size  # Horovod: one block of streams per worker.
+    length = len(ids) // columns
+    if length < 2:
+        raise ValueError(f"{len(ids)} tokens are too few for {columns} streams")
+    streams = ids[: length * columns].view(columns, length).t()
+    return streams[:, hvd.rank() * batch_size : (hvd.rank() + 1) * batch_size].contiguous()
+
+
+class LanguageModel(nn.Module):
+    """Embedding -> 2-layer LSTM -> linear decoder tied to the embedding."""
+
+    def __init__(self, vocab_size: int, size: int, layers: int, dropout: float):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab_size, size)
+        self.lstm = nn.LSTM(size, size, layers, dropout=dropout)
+        self.dropout = nn.Dropout(dropout)
+        self.decoder = nn.Linear(size, vocab_size)
+        # Tying halves the parameters and helps on small corpora.
+        self.decoder.weight = self.embedding.weight
+        nn.init.uniform_(self.embedding.weight, -0.1, 0.1)
+        nn.init.zeros_(self.decoder.bias)
+
+    def forward(self, tokens, state=None):
+        out, state = self.lstm(self.dropout(self.embedding(tokens)), state)
+        return self.decoder(self.dropout(out)), state
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Word-level LSTM language model with Horovod + PowerSGD",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--docs-dir", default=DEFAULT_DOCS_DIR, help="folder of .rst.txt sources")
+    parser.add_argument("--text-file", default=None, help="train on this plain-text file instead")
+    parser.add_argument("--vocab-size", type=int, default=10000, help="words kept, incl. <unk>")
+    parser.add_argument("--size", type=int, default=200, help="embedding and LSTM width")
+    parser.add_argument("--layers", type=int, default=2, help="LSTM layers")
+    parser.add_argument("--dropout", type=float, default=0.2, help="dropout probability")
+    parser.add_argument("--bptt", type=int, default=35, help="steps of back-propagation in time")
+    parser.add_argument("--batch-size", type=int, default=20, help="token streams per worker")
+    parser.add_argument("--lr", type=float, default=10.0, help="SGD learning rate per worker")
+    parser.add_argument("--clip", type=float, default=0.25, help="gradient-norm clipping")
+    common.add_common_args(parser)
+    return parser
+
+
+def evaluate(model, streams, bptt: int) -> float:
+    """Perplexity over every worker's streams of one split."""
+    model.eval()
+    loss_sum, count, state = 0.0, 0, None
+    with torch.no_grad():
+        for i in range(0, len(streams) - 1, bptt):
+            x, y = streams[i : i + bptt], streams[i + 1 : i + 1 + bptt]
+            x = x[: len(y)]
+            out, state = model(x, state)
+            loss_sum += F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="sum").item()
+            count += y.numel()
+    # Horovod: sum every worker's loss and token count, for the whole split.
+    loss_sum, count = common.sum_across_ranks(loss_sum, count, name="eval")
+    return math.exp(min(loss_sum / count, 50))
+
+
+def main(argv=None) -> dict:
+    """Train and evaluate; returns the metrics record (also written with --json)."""
+    args = common.parse(build_parser(), argv)
+    hvd.init()  # Horovod: initialise (a no-op when already done).
+    common.seed_everything(args.seed)
+    recorder = common.Recorder("lstm_language_model", args, argv)
+
+    corpus = Corpus(load_paragraphs(args.docs_dir, args.text_file), args.vocab_size)
+    train = shard_streams(corpus.ids["train"], args.batch_size, args.train_subset)
+    valid = shard_streams(corpus.ids["valid"], 10, args.eval_subset)
+    test = shard_streams(corpus.ids["test"], 10, args.eval_subset)
+
+    model = LanguageModel(len(corpus.words), args.size, args.layers, args.dropout)
+    # Horovod: scale the learning rate by the number of workers (the batch grows with it).
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size())
+    # Horovod (+ PowerSGD): average gradients across workers.
+    optimizer = common.distributed_optimizer(optimizer, model, args)
+    # Horovod: start every worker from rank 0's weights and optimizer state.
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    meter = common.CommunicationMeter(optimizer, model)
+    method = f"PowerSGD rank {args.powersgd_rank}" if args.powersgd_rank else "plain all-reduce"
+    common.log(
+        f"LSTM LM: {len(corpus.ids['train']):,} train / {len(corpus.ids['valid']):,} valid / "
+        f"{len(corpus.ids['test']):,} test tokens, vocabulary {len(corpus.words):,}, "
+        f"{sum(p.numel() for p in model.parameters()):,} parameters, {common.workers()}, {method}"
+    )
+
+    valid_ppl = test_ppl = float("nan")
+    best_valid = float("inf")
+    for epoch in range(1, args.epochs + 1):
+        model.train()
+        start, before = time.perf_counter(), meter.totals()
+        starts = range(0, len(train) - 1, args.bptt)
+        steps_per_epoch = min(len(starts), args.max_steps) if args.max_steps else len(starts)
+        loss_sum, state = 0.0, None
+        bar = common.progress(starts, steps_per_epoch, args, f"epoch {epoch}")
+        for step, i in enumerate(bar, 1):
+            x, y = train[i : i + args.bptt], train[i + 1 : i + 1 + args.bptt]
+            x = x[: len(y)]
+            if state is not None:  # carry the state, not its history, into the next window
+                state = tuple(s.detach() for s in state)
+            optimizer.zero_grad()
+            out, state = model(x, state)
+            loss = F.cross_entropy(out.flatten(0, 1), y.flatten())
+            loss.backward()
+            # Horovod: finish the all-reduce first, so clipping sees the averaged gradient.
+            optimizer.synchronize()
+            nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+            meter.step()
+            loss_sum += loss.item()
+            if hasattr(bar, "set_postfix"):
+                bar.set_postfix(loss=f"{loss.item():.3f}")
+            if step == steps_per_epoch:
+                break
+        if hasattr(bar, "close"):
+            bar.close()
+        train_time = time.perf_counter() - start
+        comm = common.epoch_communication(before, meter.totals())
+        # Horovod: mean training loss over all workers' steps.
+        (train_loss,) = common.sum_across_ranks(loss_sum / steps_per_epoch, name="train_loss")
+        train_loss /= hvd.size()
+        valid_ppl = evaluate(model, valid, args.bptt)
+        test_ppl = evaluate(model, test, args.bptt)
+        if valid_ppl > best_valid:
+            # Classic LM schedule: divide the learning rate by 4 when validation stalls.
+            for group in optimizer.param_groups:
+                group["lr"] /= 4
+        best_valid = min(best_valid, valid_ppl)
+        wall = time.perf_counter() - start
+        recorder.add_epoch(
+            {
+                "epoch": epoch,
+                "steps": comm["steps"],
+                "train_loss": train_loss,
+                "train_perplexity": math.exp(min(train_loss, 50)),
+                "valid_perplexity": valid_ppl,
+                "test_perplexity": test_ppl,
+                "bytes_sent": comm["bytes_sent"],
+                "ratio": comm["ratio"],
+                "lr": optimizer.param_groups[0]["lr"],
+                "train_time_s": train_time,
+                "wall_time_s": wall,
+            }
+        )
+        common.log(
+            f"epoch {epoch}: train loss {train_loss:.3f}, valid perplexity {valid_ppl:.1f}, "
+            f"test perplexity {test_ppl:.1f}, sent {common.human_bytes(comm['bytes_sent'])} "
+            f"per worker, compression {comm['ratio']:.1f}x, {wall:.1f} s"
+        )
+
+    totals = meter.totals()
+    record = recorder.finish(
+        {
+            "valid_perplexity": valid_ppl,
+            "test_perplexity": test_ppl,
+            "bytes_sent": int(totals["bytes_sent"]),
+            "ratio": totals["ratio"],
+        }
+    )
+    common.log(
+        f"Final: test perplexity {test_ppl:.1f}, bytes sent "
+        f"{common.human_bytes(totals['bytes_sent'])} per worker ({int(totals['bytes_sent'])} B), "
+        f"compression ratio {totals['ratio']:.1f}x ({method}, {common.workers()}, "
+        f"{args.epochs} epoch{'s' if args.epochs > 1 else ''})"
+    )
+    record["model"] = model
+    return record
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,87 @@
+"""Each example trains two tiny steps end to end on every rank, so they cannot rot.
+
+The examples' ``main(argv)`` runs in this process (hvd.init() already happened in
+conftest); no launcher is started from inside the test.
+"""
+
+import json
+import math
+import os
+import sys
+
+import horovod.torch as hvd
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+import fashion_mnist
+import lstm_language_model
+
+TINY = ["--epochs", "1", "--max-steps", "2", "--no-progress", "--seed", "3"]
+
+
+def assert_same_parameters_on_every_rank(model):
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert torch.isfinite(flat).all()
+    reference = hvd.broadcast(flat, root_rank=0, name="examples.params")
+    assert torch.equal(flat, reference), "ranks ended with different parameters"
+
+
+def check_communication(final, powersgd_rank):
+    assert final["bytes_sent"] > 0
+    if powersgd_rank:
+        assert final["ratio"] > 1
+    else:
+        assert final["ratio"] == 1
+
+
+@pytest.mark.parametrize("powersgd_rank", [0, 2])
+def test_fashion_mnist_trains_two_steps(tmp_path, rank, size, powersgd_rank):
+    if not os.path.isdir(fashion_mnist.DEFAULT_DATA_DIR):
+        pytest.fail("Debian's dataset-fashion-mnist is missing: run scripts/bootstrap.sh")
+    json_path = tmp_path / "metrics.json"
+    record = fashion_mnist.main(
+        [*TINY, "--powersgd-rank", str(powersgd_rank), "--train-subset", "256",
+         "--eval-subset", "100", "--batch-size", "16", "--json", str(json_path)]
+    )  # fmt: skip
+    (epoch,) = record["epochs"]
+    assert epoch["steps"] == 2
+    assert math.isfinite(epoch["train_loss"]) and math.isfinite(epoch["test_loss"])
+    assert 0 <= epoch["test_accuracy"] <= 1
+    check_communication(record["final"], powersgd_rank)
+    assert_same_parameters_on_every_rank(record["model"])
+    if rank == 0:
+        written = json.loads(json_path.read_text())
+        assert written["world_size"] == size
+        assert written["final"]["test_accuracy"] == record["final"]["test_accuracy"]
+    else:
+        assert not json_path.exists()  # only rank 0 writes
+
+
+def test_lstm_language_model_trains_two_steps(tmp_path):
+    if not os.path.isdir(lstm_language_model.DEFAULT_DOCS_DIR):
+        pytest.fail("Debian's python3.11-doc is missing: run scripts/bootstrap.sh")
+    record = lstm_language_model.main(
+        [*TINY, "--powersgd-rank", "4", "--train-subset", "20000", "--eval-subset", "2000",
+         "--batch-size", "4", "--bptt", "10", "--size", "32", "--vocab-size", "2000"]
+    )  # fmt: skip
+    (epoch,) = record["epochs"]
+    assert epoch["steps"] == 2
+    for key in ("train_perplexity", "valid_perplexity", "test_perplexity"):
+        # Finite, and no worse than guessing among 2000 words plus a margin.
+        assert 1 < epoch[key] < 4000, key
+    check_communication(record["final"], 4)
+    assert_same_parameters_on_every_rank(record["model"])
+
+
+def test_lstm_language_model_reads_a_text_file(tmp_path):
+    text = "\n\n".join(f"the quick fox number {i} jumps over the lazy dog ." for i in range(3000))
+    path = tmp_path / "corpus.txt"
+    path.write_text(text)
+    record = lstm_language_model.main(
+        [*TINY, "--powersgd-rank", "0", "--text-file", str(path), "--batch-size", "4",
+         "--bptt", "8", "--size", "16", "--vocab-size", "50"]
+    )  # fmt: skip
+    assert math.isfinite(record["final"]["test_perplexity"])
+    check_communication(record["final"], 0)
+    assert_same_parameters_on_every_rank(record["model"])
