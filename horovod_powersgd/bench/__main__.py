@@ -1,0 +1,401 @@
+"""Driver of the benchmark: launch every configuration's workers, one after another.
+
+Examples::
+
+    # everything, 2 workers, ResNet-18, unlimited + two capped links; table on stdout
+    python -m horovod_powersgd.bench -np 2 --bandwidth unlimited,1gbit,200mbit \\
+        --json bench.json --plot bench.png
+    # a quick look at two configurations
+    python -m horovod_powersgd.bench --configs horovod,powersgd:2 --steps 5
+
+Configurations (``--configs``, comma separated; ``NAME:R`` picks a PowerSGD rank):
+  local          each worker trains alone, no communication (the lower bound)
+  horovod        hvd.DistributedOptimizer, plain fp32 all-reduce
+  horovod-fp16   the same with hvd.Compression.fp16
+  powersgd       horovod_powersgd.DistributedOptimizer at every rank of --ranks
+  powersgd-fp16  the same with comm_dtype=torch.float16 (rank --compare-rank)
+  ddp            torch DistributedDataParallel over Gloo, plain all-reduce
+  ddp-powersgd   DDP + torch's powerSGD_hook (rank --compare-rank), same start_iter
+                 and min_compression_rate as powersgd
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from . import report
+from .models import MODELS
+from .netcap import (
+    BandwidthCapError,
+    check_namespace_support,
+    format_bandwidth,
+    parse_bandwidth,
+    tc_commands,
+)
+from .stats import Record, make_record
+from .worker import CONFIGS, DDP_CONFIGS, HOROVOD_CONFIGS
+
+DEFAULT_CONFIGS = "local,horovod,horovod-fp16,powersgd,powersgd-fp16,ddp,ddp-powersgd"
+RANKED = ("powersgd", "powersgd-fp16", "ddp-powersgd")
+
+
+def parse_configs(
+    text: str, ranks: Sequence[int], compare_rank: int
+) -> list[tuple[str, int | None]]:
+    """``"local,powersgd,ddp-powersgd:4"`` -> [(name, PowerSGD rank or None), ...].
+
+    Example:
+        >>> parse_configs("local,powersgd,ddp-powersgd:4", [1, 2], 2)
+        [('local', None), ('powersgd', 1), ('powersgd', 2), ('ddp-powersgd', 4)]
+    """
+    plan: list[tuple[str, int | None]] = []
+    for token in filter(None, (t.strip() for t in text.split(","))):
+        name, _, rank_text = token.partition(":")
+        if name not in CONFIGS:
+            raise ValueError(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
+        if rank_text:
+            if name not in RANKED:
+                raise ValueError(f"{name} has no PowerSGD rank; drop ':{rank_text}'")
+            if not rank_text.isdigit() or int(rank_text) < 1:
+                raise ValueError(f"rank in {token!r} must be an integer >= 1")
+            plan.append((name, int(rank_text)))
+        elif name == "powersgd":
+            plan.extend((name, r) for r in ranks)
+        elif name in RANKED:
+            plan.append((name, compare_rank))
+        else:
+            plan.append((name, None))
+    if not plan:
+        raise ValueError("no configuration selected")
+    return plan
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_env(settings: dict) -> dict[str, str]:
+    env = dict(os.environ)
+    threads = str(settings["threads"])
+    env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    if settings.get("cycle_time_ms") is not None:
+        env["HOROVOD_CYCLE_TIME"] = str(settings["cycle_time_ms"])
+    if settings.get("fusion_threshold_mb") is not None:
+        env["HOROVOD_FUSION_THRESHOLD"] = str(int(settings["fusion_threshold_mb"] * 2**20))
+    # Everything talks over the loopback: the only interface in a capped namespace.
+    env.update(GLOO_SOCKET_IFNAME="lo", HOROVOD_GLOO_IFACE="lo")
+    return env
+
+
+def launch_commands(
+    config: str, rank: int | None, model: str, settings: dict, out_dir: Path
+) -> list[tuple[list[str], dict[str, str]]]:
+    """The processes to start for one configuration: (argv, environment) pairs."""
+    np_ = settings["np"]
+    worker = [
+        sys.executable,
+        "-m",
+        "horovod_powersgd.bench.worker",
+        "--config",
+        config,
+        "--model",
+        model,
+        "--rank",
+        str(rank or 1),
+        "--batch-size",
+        str(settings["batch_size"]),
+        "--warmup-steps",
+        str(settings["warmup_steps"]),
+        "--steps",
+        str(settings["steps"]),
+        "--start-iter",
+        str(settings["start_iter"]),
+        "--min-compression-rate",
+        str(settings["min_compression_rate"]),
+        "--threads",
+        str(settings["threads"]),
+        "--out-dir",
+        str(out_dir),
+    ]
+    env = _worker_env(settings)
+    if config in HOROVOD_CONFIGS:
+        if settings["controller"] == "mpi":
+            # btl tcp,self: shared memory (vader) would bypass the bandwidth cap.
+            argv = [
+                "mpirun",
+                "--allow-run-as-root",
+                "--oversubscribe",
+                "-np",
+                str(np_),
+                "--bind-to",
+                "none",
+                "--map-by",
+                "slot",
+                "--mca",
+                "btl",
+                "tcp,self",
+                "--mca",
+                "btl_tcp_if_include",
+                "lo",
+                "--mca",
+                "oob_tcp_if_include",
+                "lo",
+            ]
+            for var in (
+                "OMP_NUM_THREADS",
+                "MKL_NUM_THREADS",
+                "PYTHONUNBUFFERED",
+                "PATH",
+                "HOROVOD_CYCLE_TIME",
+                "HOROVOD_FUSION_THRESHOLD",
+                "PYTHONPATH",
+            ):
+                if var in env:
+                    argv += ["-x", var]
+        else:
+            horovodrun = shutil.which("horovodrun", path=str(Path(sys.executable).parent))
+            argv = [
+                horovodrun or "horovodrun",
+                "-np",
+                str(np_),
+                "-H",
+                f"localhost:{np_}",
+                "--gloo",
+                "--network-interface",
+                "lo",
+            ]
+        return [(argv + worker, env)]
+    procs = []
+    port = str(_free_port())
+    for r in range(np_):
+        penv = dict(env, BENCH_RANK=str(r))
+        if config in DDP_CONFIGS:
+            penv.update(
+                RANK=str(r),
+                LOCAL_RANK=str(r),
+                WORLD_SIZE=str(np_),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+            )
+        procs.append((worker, penv))
+    return procs
+
+
+def run_config(
+    config: str, rank: int | None, model: str, settings: dict, bandwidth: str
+) -> Record | None:
+    """Run one configuration to completion; None (and a message on stderr) if it failed."""
+    with tempfile.TemporaryDirectory(prefix="hps-bench-") as tmp:
+        out_dir = Path(tmp)
+        started = [
+            subprocess.Popen(
+                argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+            for argv, env in launch_commands(config, rank, model, settings, out_dir)
+        ]
+        deadline = time.monotonic() + settings["timeout_s"]
+        logs, failed = [], False
+        for proc in started:
+            try:
+                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, _ = proc.communicate()
+                out += f"\n[bench] killed after {settings['timeout_s']} s"
+            logs.append(out)
+            failed |= proc.returncode != 0
+        reports = [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
+        if failed or len(reports) != settings["np"]:
+            tail = "\n".join(log[-3000:] for log in logs)
+            print(f"[bench] {config} (rank {rank}) at {bandwidth} FAILED:\n{tail}", file=sys.stderr)
+            return None
+    plain_bytes = 4.0 * max(r["elements_uncompressed_per_step"] for r in reports)
+    if config == "local":
+        plain_bytes = 0.0
+    return make_record(
+        config=config,
+        model=model,
+        rank=rank,
+        np=settings["np"],
+        bandwidth=bandwidth,
+        step_times_s=[r["step_times_s"] for r in reports],
+        elements_per_step=max(r["elements_per_step"] for r in reports),
+        bytes_per_step=max(r["bytes_per_step"] for r in reports),
+        plain_bytes_per_step=plain_bytes,
+        peak_rss_mb=[r["peak_rss_mb"] for r in reports],
+    )
+
+
+def run_suite(settings: dict, bandwidth: str) -> list[Record]:
+    """Every model x configuration at one bandwidth, in the current network namespace."""
+    records = []
+    for model in settings["models"]:
+        for config, rank in settings["plan"]:
+            label = f"{config}" + (f" r{rank}" if rank else "")
+            print(
+                f"[bench] {bandwidth:>9} {model:8} {label:18} ...",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+            t0 = time.monotonic()
+            record = run_config(config, rank, model, settings, bandwidth)
+            status = f"{record.median_step_ms:8.0f} ms/step" if record else "failed"
+            print(f" {status} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+            if record:
+                records.append(record)
+    return records
+
+
+def run_capped(settings: dict, bandwidth: str) -> list[Record]:
+    """Run the suite in a fresh network namespace whose loopback is capped at ``bandwidth``."""
+    bits = parse_bandwidth(bandwidth)
+    with tempfile.TemporaryDirectory(prefix="hps-bench-ns-") as tmp:
+        settings_path, out_path = Path(tmp) / "settings.json", Path(tmp) / "records.json"
+        settings_path.write_text(json.dumps(dict(settings, bandwidth=bandwidth)))
+        setup = " && ".join(" ".join(c) for c in tc_commands(bits))
+        inner = f"{setup} && exec {sys.executable} -m horovod_powersgd.bench --_child {settings_path} {out_path}"  # noqa: E501
+        proc = subprocess.run(["unshare", "-n", "sh", "-c", inner], check=False)
+        if proc.returncode != 0 or not out_path.exists():
+            raise BandwidthCapError(f"the capped run at {bandwidth} exited {proc.returncode}")
+        return [Record(**r) for r in json.loads(out_path.read_text())]
+
+
+def _child(settings_path: str, out_path: str) -> None:
+    settings = json.loads(Path(settings_path).read_text())
+    settings["plan"] = [tuple(p) for p in settings["plan"]]
+    records = run_suite(settings, settings["bandwidth"])
+    Path(out_path).write_text(json.dumps([r.as_dict() for r in records]))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m horovod_powersgd.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    d = argparse.ArgumentDefaultsHelpFormatter
+    p.formatter_class = type("F", (argparse.RawDescriptionHelpFormatter, d), {})
+    p.add_argument("-np", type=int, default=2, help="worker processes per configuration")
+    p.add_argument("--models", default="resnet18", help=f"comma list of {', '.join(MODELS)}")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma list, NAME:R for one rank")
+    p.add_argument("--ranks", default="1,2,4", help="PowerSGD ranks of the `powersgd` config")
+    p.add_argument(
+        "--compare-rank", type=int, default=2, help="rank of powersgd-fp16 and ddp-powersgd"
+    )
+    p.add_argument("--batch-size", type=int, default=32, help="per worker")
+    p.add_argument("--warmup-steps", type=int, default=5, help="untimed steps (> start-iter)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument(
+        "--start-iter",
+        type=int,
+        default=2,
+        help="uncompressed steps first (torch's hook needs >= 2)",
+    )
+    p.add_argument("--min-compression-rate", type=float, default=2.0)
+    p.add_argument(
+        "--controller",
+        choices=("mpi", "gloo"),
+        default="mpi",
+        help="Horovod launcher: mpirun or horovodrun --gloo",
+    )
+    p.add_argument(
+        "--bandwidth",
+        default="unlimited",
+        help="comma list of loopback caps (e.g. unlimited,1gbit,200mbit); "
+        "each capped one runs in its own network namespace",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch/OpenMP threads per worker (default: cores // np, >= 1)",
+    )
+    p.add_argument("--cycle-time-ms", type=float, default=None, help="HOROVOD_CYCLE_TIME for all")
+    p.add_argument(
+        "--fusion-threshold-mb", type=float, default=None, help="HOROVOD_FUSION_THRESHOLD for all"
+    )
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
+    p.add_argument("--json", type=Path, help="write the records as a JSON list here")
+    p.add_argument("--plot", type=Path, help="write a PNG of median step times here")
+    p.add_argument("--markdown", type=Path, help="write a report (tables, cost model) here")
+    p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args._child:
+        _child(*args._child)
+        return 0
+    try:
+        ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
+        bandwidths = [format_bandwidth(parse_bandwidth(b)) for b in args.bandwidth.split(",")]
+        plan = parse_configs(args.configs, ranks, args.compare_rank)
+        models = [m.strip() for m in args.models.split(",") if m.strip()]
+        for m in models:
+            if m not in MODELS:
+                raise ValueError(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
+        if args.warmup_steps <= args.start_iter:
+            raise ValueError("--warmup-steps must exceed --start-iter so timed steps compress")
+        if args.steps < 1 or args.np < 1:
+            raise ValueError("--steps and -np must be >= 1")
+        if any(b != "unlimited" for b in bandwidths):
+            check_namespace_support()
+    except (ValueError, BandwidthCapError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    settings = {
+        "np": args.np,
+        "models": models,
+        "plan": plan,
+        "batch_size": args.batch_size,
+        "warmup_steps": args.warmup_steps,
+        "steps": args.steps,
+        "start_iter": args.start_iter,
+        "min_compression_rate": args.min_compression_rate,
+        "controller": args.controller,
+        "threads": args.threads or max(1, (os.cpu_count() or 1) // args.np),
+        "cycle_time_ms": args.cycle_time_ms,
+        "fusion_threshold_mb": args.fusion_threshold_mb,
+        "timeout_s": args.timeout,
+    }
+    records: list[Record] = []
+    for bw in bandwidths:
+        try:
+            records += run_suite(settings, bw) if bw == "unlimited" else run_capped(settings, bw)
+        except BandwidthCapError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+    print(report.format_table(records))
+    command = args.command_line or " ".join(
+        ["python -m horovod_powersgd.bench", *(argv or sys.argv[1:])]
+    )
+    if args.json:
+        args.json.write_text(json.dumps([r.as_dict() for r in records], indent=1) + "\n")
+    if args.plot:
+        report.plot(records, args.plot)
+    if args.markdown:
+        report.write_markdown(
+            records, args.markdown, command=command, settings=settings, plot=args.plot
+        )
+    expected = len(plan) * len(models) * len(bandwidths)
+    return 0 if len(records) == expected else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

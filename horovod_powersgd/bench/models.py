@@ -1,0 +1,119 @@
+"""Benchmark models, written here so the benchmark needs nothing beyond torch.
+
+* ``resnet18``: ResNet-18 for CIFAR-shaped inputs (3x32x32, 10 classes): a 3x3
+  stem with stride 1 and no max-pool, four stages of two basic blocks
+  (64-128-256-512 channels). 11.17M parameters, the model of the PowerSGD
+  paper's image experiments.
+* ``lstm``: the paper's WikiText-2 language model: 3-layer LSTM, embedding and
+  hidden size 650, decoder weight tied to the embedding. The vocabulary of
+  28,869 tokens gives 28.95M parameters.
+
+Both come with a synthetic batch maker: the benchmark measures speed and bytes,
+not accuracy, so the inputs are random tensors of the right shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LSTM_VOCAB = 28869
+LSTM_WIDTH = 650
+LSTM_LAYERS = 3
+LSTM_SEQ_LEN = 30  # tokens of back-propagation through time per sample
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, in_planes: int, planes: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride=1, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or in_planes != planes:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_planes, planes, 1, stride=stride, bias=False), nn.BatchNorm2d(planes)
+            )
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class ResNet18(nn.Module):
+    """ResNet-18 with the CIFAR stem (3x3 conv, stride 1, no max-pool)."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        layers = []
+        in_planes = 64
+        for planes, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+            layers.append(
+                nn.Sequential(BasicBlock(in_planes, planes, stride), BasicBlock(planes, planes, 1))
+            )
+            in_planes = planes
+        self.layers = nn.Sequential(*layers)
+        self.linear = nn.Linear(512, num_classes)
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.layers(out)
+        out = F.adaptive_avg_pool2d(out, 1).flatten(1)
+        return self.linear(out)
+
+
+class LSTMLanguageModel(nn.Module):
+    """Word-level LSTM with tied input/output embeddings."""
+
+    def __init__(self, vocab: int = LSTM_VOCAB, width: int = LSTM_WIDTH, layers: int = LSTM_LAYERS):
+        super().__init__()
+        self.encoder = nn.Embedding(vocab, width)
+        self.lstm = nn.LSTM(width, width, layers, batch_first=True)
+        self.decoder = nn.Linear(width, vocab)
+        # Tied weights: the decoder's gradient lands in the embedding's .grad.
+        self.decoder.weight = self.encoder.weight
+
+    def forward(self, tokens):
+        out, _ = self.lstm(self.encoder(tokens))
+        return self.decoder(out)
+
+
+def _resnet_batch(batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(batch_size, 3, 32, 32, generator=generator)
+    y = torch.randint(0, 10, (batch_size,), generator=generator)
+    return x, y
+
+
+def _lstm_batch(batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, LSTM_VOCAB, (batch_size, LSTM_SEQ_LEN + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _resnet_loss(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def _lstm_loss(model: nn.Module, batch) -> torch.Tensor:
+    tokens, targets = batch
+    logits = model(tokens)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+# name -> (model factory, synthetic batch maker, loss)
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable, Callable]] = {
+    "resnet18": (ResNet18, _resnet_batch, _resnet_loss),
+    "lstm": (LSTMLanguageModel, _lstm_batch, _lstm_loss),
+}
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of distinct trainable elements (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
