@@ -281,6 +281,26 @@ def _child(settings_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps([r.as_dict() for r in records]))
 
 
+def describe_environment(started: str, load_before, load_after) -> str:
+    """One paragraph on where the numbers come from: versions, cores, how busy the machine was."""
+    import platform
+
+    import torch
+
+    try:
+        import horovod
+
+        hvd_version = horovod.__version__
+    except ImportError:
+        hvd_version = "not installed"
+    return (
+        f"Run {started} on {platform.machine()} Linux, {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}, torch {torch.__version__}, Horovod {hvd_version}. "
+        f"1-minute load average {load_before[0]:.1f} before and {load_after[0]:.1f} after the "
+        f"run (above {os.cpu_count()} means other work shared the cores)."
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m horovod_powersgd.bench",
@@ -374,6 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fusion_threshold_mb": args.fusion_threshold_mb,
         "timeout_s": args.timeout,
     }
+    load_before = os.getloadavg()
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     records: list[Record] = []
     for bw in bandwidths:
         try:
@@ -382,16 +404,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
     print(report.format_table(records))
-    command = args.command_line or " ".join(
-        ["python -m horovod_powersgd.bench", *(argv or sys.argv[1:])]
-    )
+    shown = list(argv) if argv is not None else sys.argv[1:]
+    command = args.command_line or " ".join(["python -m horovod_powersgd.bench", *shown])
     if args.json:
         args.json.write_text(json.dumps([r.as_dict() for r in records], indent=1) + "\n")
     if args.plot:
         report.plot(records, args.plot)
     if args.markdown:
+        environment = describe_environment(started, load_before, os.getloadavg())
         report.write_markdown(
-            records, args.markdown, command=command, settings=settings, plot=args.plot
+            records,
+            args.markdown,
+            command=command,
+            settings=settings,
+            plot=args.plot,
+            environment=environment,
         )
     expected = len(plan) * len(models) * len(bandwidths)
     return 0 if len(records) == expected else 1

@@ -48,6 +48,18 @@ def wire_seconds(bytes_per_step: float, workers: int, bits_per_second: float | N
     return 8.0 * bytes_per_step * ring_factor(workers) / bits_per_second
 
 
+def emulated_wire_seconds(
+    bytes_per_step: float, workers: int, bits_per_second: float | None
+) -> float:
+    """Wire seconds on the benchmark's emulated network: one capped loopback for all workers.
+
+    Unlike a switched network, where every worker has a link of its own, the
+    namespace's single ``tc`` queue carries the traffic of all W workers, so it
+    is busy W times as long as one worker's link would be.
+    """
+    return workers * wire_seconds(bytes_per_step, workers, bits_per_second)
+
+
 @dataclass(frozen=True)
 class Fit:
     """Fitted parameters: seconds of fixed cost per configuration, one efficiency."""

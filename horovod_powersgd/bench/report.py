@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -123,3 +124,200 @@ def plot(records: Sequence[Record], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# --- the Markdown report ----------------------------------------------------------------
+NOTES_HEADING = "## Notes"  # everything from this heading on is hand-written and kept
+
+TARGETS = (
+    # (description, numerator config, denominator config, bandwidth, upper limit of the ratio)
+    (
+        "PowerSGD r2 / torch DDP powerSGD_hook r2, 200mbit",
+        "powersgd",
+        "ddp-powersgd",
+        "200mbit",
+        0.9,
+    ),
+    ("PowerSGD r2 / torch DDP powerSGD_hook r2, 1gbit", "powersgd", "ddp-powersgd", "1gbit", 0.9),
+    ("PowerSGD r2 / local (no communication), 200mbit", "powersgd", "local", "200mbit", 1.1),
+    ("PowerSGD r2 / plain Horovod, unlimited", "powersgd", "horovod", "unlimited", 1.1),
+)
+
+
+def target_rows(records: Sequence[Record], rank: int = 2) -> list[tuple[str, str, str, str]]:
+    """(target, measured, limit, verdict) for every target the records can answer."""
+    rows = []
+    for model in dict.fromkeys(r.model for r in records):
+        recs = [r for r in records if r.model == model]
+        for text, num_cfg, den_cfg, bw, limit in TARGETS:
+            at = [r for r in recs if r.bandwidth == bw]
+            num = _find(at, num_cfg, rank)
+            den = _find(at, den_cfg, rank if den_cfg in ("ddp-powersgd",) else None)
+            if num and den:
+                value = num.median_step_ms / den.median_step_ms
+                verdict = "hit" if value <= limit else "missed"
+                rows.append((f"{model}: {text}", f"{value:.2f}x", f"<= {limit}x", verdict))
+        for cfg, limit in (("powersgd", 130.0), ("powersgd-fp16", 260.0)):
+            rec = _find(recs, cfg, rank)
+            if rec and rec.compression_ratio:
+                verdict = "hit" if rec.compression_ratio >= limit else "missed"
+                rows.append(
+                    (
+                        f"{model}: bytes, plain / {cfg} r{rank}",
+                        f"{rec.compression_ratio:.1f}x",
+                        f">= {limit:.0f}x",
+                        verdict,
+                    )
+                )
+    return rows
+
+
+def cost_model_section(
+    records: Sequence[Record], *, hop_latency_s: float = 30e-6, gpu_compute_ms: float = 20.0
+) -> str:
+    """Fit the cost model to the records of one model and predict larger clusters."""
+    from .costmodel import emulated_wire_seconds, fit, speedup_table
+    from .netcap import parse_bandwidth
+
+    recs = [r for r in records if r.model == "resnet18"] or list(records)
+    if not recs:
+        return ""
+    model_name, workers = recs[0].model, recs[0].np
+    recs = [r for r in recs if r.model == model_name and r.np == workers]
+    plain = _find(recs, "horovod")
+    comp = _find(recs, "powersgd", 2)
+    local = _find(recs, "local")
+    bandwidths = sorted(
+        {r.bandwidth for r in recs}, key=lambda b: -(parse_bandwidth(b) or float("inf"))
+    )
+    if not (plain and comp) or len(bandwidths) < 2:
+        return "Cost model: needs plain Horovod and PowerSGD r2 at two or more bandwidths.\n"
+    samples = [
+        (
+            label(r),
+            emulated_wire_seconds(r.bytes_per_step, r.np, parse_bandwidth(r.bandwidth)),
+            r.median_step_ms / 1e3,
+        )
+        for r in recs
+        if r.config != "local"
+    ]
+    fitted = fit(samples)
+    lines = [
+        f"Fitted to the {model_name} runs above ({workers} workers, bandwidths "
+        f"{', '.join(bandwidths)}): one fixed cost per configuration, one wire efficiency for "
+        f"the machine (residual RMS {fitted.residual_rms_s * 1e3:.0f} ms).",
+        "",
+        "| configuration | fixed ms/step | bytes/step |",
+        "|---|---|---|",
+    ]
+    seen = {}
+    for r in recs:
+        if r.config != "local":
+            seen.setdefault(label(r), r.bytes_per_step)
+    for name, b in seen.items():
+        lines.append(f"| {name} | {fitted.fixed_s[name] * 1e3:.0f} | {b / 1e6:.3f} MB |")
+    lines += ["", f"Wire efficiency (1.0 = nominal rate, no overlap): {fitted.efficiency:.2f}", ""]
+    compute_ms = local.median_step_ms if local else fitted.fixed_s[label(plain)] * 1e3
+    scenarios = [("this machine's CPU compute", 1.0)]
+    scenarios.append(
+        (f"GPU-class compute ({gpu_compute_ms:.0f} ms/step)", gpu_compute_ms / compute_ms)
+    )
+    nets = ["10gbit", "25gbit", "100gbit"]
+    ws = [8, 32, 128]
+    for title, scale in scenarios:
+        table = speedup_table(
+            fitted,
+            plain=(label(plain), plain.bytes_per_step),
+            compressed=(label(comp), comp.bytes_per_step),
+            workers=ws,
+            bandwidths=nets,
+            hop_latency_s=hop_latency_s,
+            compute_scale=scale,
+        )
+        lines += [
+            f"Predicted speedup of PowerSGD r2 over plain Horovod, {title}:",
+            "",
+            "| workers | " + " | ".join(n.replace("gbit", " Gbit/s") for n in nets) + " |",
+            "|---|" + "---|" * len(nets),
+        ]
+        for w in ws:
+            lines.append(f"| {w} | " + " | ".join(f"{table[(w, n)]:.2f}x" for n in nets) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_markdown(
+    records: Sequence[Record],
+    path: Path,
+    *,
+    command: str,
+    settings: dict,
+    plot: Path | None = None,
+    environment: str = "",
+) -> None:
+    """Write the report; a hand-written section under ``## Notes`` survives a rewrite."""
+    notes = ""
+    if path.exists():
+        old = path.read_text()
+        if NOTES_HEADING in old:
+            notes = old[old.index(NOTES_HEADING) :]
+    out = [
+        "# Benchmarks",
+        "",
+        "Written by `make bench` (horovod_powersgd.bench); edit only the Notes section.",
+        "",
+        "Command:",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+    ]
+    if environment:
+        out += [environment, ""]
+    out += [
+        f"Settings: {settings['np']} workers, batch {settings['batch_size']} per worker, "
+        f"{settings['warmup_steps']} warm-up + {settings['steps']} timed steps, "
+        f"{settings['threads']} torch thread(s) per worker, Horovod controller "
+        f"{settings['controller']}, start_iter {settings['start_iter']}, min_compression_rate "
+        f"{settings['min_compression_rate']}, HOROVOD_CYCLE_TIME "
+        f"{settings.get('cycle_time_ms') or 'default'}, HOROVOD_FUSION_THRESHOLD "
+        f"{settings.get('fusion_threshold_mb') or 'default'} MB. A step's time is the slowest "
+        "worker's; `x horovod` and `x local` divide medians measured in the same run. "
+        "`bytes ratio` = bytes of a plain fp32 all-reduce / bytes this configuration sent.",
+        "",
+    ]
+    for (model, np_, bw), recs in group(records).items():
+        out += [f"## {model}, {np_} workers, bandwidth {bw}", "", markdown_table(recs), ""]
+    if plot is not None:
+        out += [f"![median step time]({os.path.relpath(plot, path.parent)})", ""]
+    rows = target_rows(records)
+    if rows:
+        out += ["## Targets (issue 4)", "", "| target | measured | limit | |", "|---|---|---|---|"]
+        out += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+        out.append("")
+    out += ["## Cost model", "", COST_MODEL_ASSUMPTIONS, "", cost_model_section(records), ""]
+    text = "\n".join(out)
+    path.write_text(text + ("\n" + notes if notes else ""))
+
+
+COST_MODEL_ASSUMPTIONS = """\
+Per step and worker, with W workers on links of B bit/s:
+`T = fixed_c * s + rounds_c * 2(W-1) * hop_latency + efficiency * 8 * bytes_c * 2(W-1)/W / B`.
+
+Assumptions:
+- Ring all-reduce: each worker puts 2(W-1)/W times the reduced bytes on its own link,
+  in 2(W-1) sequential hops per collective round. Plain Horovod: one round per 64 MiB
+  fusion buffer; PowerSGD: 2 rounds (P, then Q). Hop latency 30 us (a TCP hop on a
+  datacenter network; not measured here).
+- `fixed_c` (compute, PowerSGD's matmuls and orthogonalisation, framework overhead)
+  does not depend on W (weak scaling: batch per worker fixed) and is fitted per
+  configuration; `s` rescales it to other hardware, the same factor for compute and
+  compression overhead.
+- `efficiency` is fitted once for the machine. On the emulated network one capped
+  loopback carries all W workers' traffic, so the fit counts W times one worker's wire
+  time there; in the predictions every worker has a full-duplex link of its own.
+- No overlap of communication with the backward pass (conservative for plain Horovod,
+  which overlaps in part), no stragglers, no congestion beyond the link rate; the
+  unlimited run counts as zero wire time.
+- Bytes per step are those measured here, per worker; they do not depend on W."""

@@ -1,0 +1,278 @@
+"""The pure parts of the benchmark: rates, statistics, records, launch lines, cost model."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from horovod_powersgd.bench import costmodel, netcap, report
+from horovod_powersgd.bench.__main__ import launch_commands, parse_configs
+from horovod_powersgd.bench.stats import (
+    RECORD_KEYS,
+    Record,
+    make_record,
+    percentile,
+    slowest_rank_step_times,
+)
+
+# --- bandwidth -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, bits",
+    [
+        ("200mbit", 200_000_000),
+        ("1gbit", 1_000_000_000),
+        ("1Gbit/s", 1_000_000_000),
+        (" 2.5gbit ", 2_500_000_000),
+        ("640kbit", 640_000),
+    ],
+)
+def test_parse_bandwidth_gives_bits_per_second_in_si_units(text, bits):
+    assert netcap.parse_bandwidth(text) == bits
+
+
+@pytest.mark.parametrize("text", ["unlimited", "none", "UNLIMITED"])
+def test_unlimited_means_no_cap(text):
+    assert netcap.parse_bandwidth(text) is None
+
+
+@pytest.mark.parametrize("text", ["200", "fast", "10mbps", "1gb", "-5mbit", "1bit"])
+def test_parse_bandwidth_rejects_ambiguous_or_bad_rates(text):
+    # "mbps" is megaBYTES per second to tc: accepting it would cap 8x off.
+    with pytest.raises(ValueError, match="bandwidth"):
+        netcap.parse_bandwidth(text)
+
+
+@pytest.mark.parametrize("text", ["200mbit", "1gbit", "2500mbit", "unlimited", "640kbit"])
+def test_format_bandwidth_round_trips(text):
+    bits = netcap.parse_bandwidth(text)
+    assert netcap.parse_bandwidth(netcap.format_bandwidth(bits)) == bits
+
+
+def test_tc_command_caps_loopback_at_exactly_the_asked_rate():
+    setup = netcap.tc_commands(200_000_000)
+    assert setup[0] == ["ip", "link", "set", "lo", "up"]  # lo is down in a new namespace
+    tc = setup[1]
+    assert tc[:6] == ["tc", "qdisc", "add", "dev", "lo", "root"]
+    assert tc[tc.index("rate") + 1] == "200000000bit"
+
+
+def test_missing_tc_gives_a_clear_error(monkeypatch):
+    monkeypatch.setattr(netcap.shutil, "which", lambda tool: None if tool == "tc" else "/bin/x")
+    with pytest.raises(netcap.BandwidthCapError, match=r"`tc`.*iproute2"):
+        netcap.check_namespace_support()
+
+
+# --- statistics ------------------------------------------------------------------------
+
+
+def test_percentile_agrees_with_numpy():
+    rng = random.Random(0)
+    for n in (1, 2, 7, 50):
+        values = [rng.random() for _ in range(n)]
+        for q in (0, 10, 50, 90, 100):
+            assert percentile(values, q) == pytest.approx(np.percentile(values, q))
+
+
+def test_percentile_is_order_independent_and_bounded():
+    values = [5.0, 1.0, 3.0, 9.0]
+    assert percentile(values, 50) == percentile(sorted(values), 50)
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 9.0
+    with pytest.raises(ValueError):
+        percentile([], 50)
+    with pytest.raises(ValueError):
+        percentile(values, 101)
+
+
+def test_step_time_is_the_slowest_rank_of_each_step():
+    assert slowest_rank_step_times([[1.0, 5.0, 2.0], [2.0, 3.0, 2.5]]) == [2.0, 5.0, 2.5]
+    with pytest.raises(ValueError, match="different numbers"):
+        slowest_rank_step_times([[1.0], [1.0, 2.0]])
+
+
+def _record(**overrides):
+    kwargs = dict(
+        config="powersgd",
+        model="resnet18",
+        rank=2,
+        np=2,
+        bandwidth="200mbit",
+        step_times_s=[[0.1, 0.2, 0.3, 0.4, 0.5], [0.1, 0.1, 0.1, 0.1, 0.1]],
+        elements_per_step=100.0,
+        bytes_per_step=400.0,
+        plain_bytes_per_step=40_000.0,
+        peak_rss_mb=[700.0, 720.0],
+    )
+    kwargs.update(overrides)
+    return make_record(**kwargs)
+
+
+def test_record_has_exactly_the_documented_keys_and_is_json():
+    d = _record().as_dict()
+    assert tuple(d) == RECORD_KEYS
+    assert json.loads(json.dumps(d)) == d
+
+
+def test_record_statistics():
+    r = _record()
+    assert r.median_step_ms == pytest.approx(300.0)
+    assert r.p10_step_ms <= r.median_step_ms <= r.p90_step_ms
+    assert r.compression_ratio == pytest.approx(100.0)  # plain bytes / bytes sent
+    assert r.peak_rss_mb == 720.0  # the largest worker
+    assert _record(bytes_per_step=0.0, plain_bytes_per_step=0.0).compression_ratio is None
+
+
+# --- configurations and launch lines ---------------------------------------------------
+
+
+def test_parse_configs_expands_ranks_and_rejects_unknown_names():
+    plan = parse_configs("local,powersgd,powersgd-fp16,ddp-powersgd:4", [1, 2, 4], 2)
+    assert plan == [
+        ("local", None),
+        ("powersgd", 1),
+        ("powersgd", 2),
+        ("powersgd", 4),
+        ("powersgd-fp16", 2),
+        ("ddp-powersgd", 4),
+    ]
+    with pytest.raises(ValueError, match="unknown configuration"):
+        parse_configs("horovd", [2], 2)
+    with pytest.raises(ValueError, match="no PowerSGD rank"):
+        parse_configs("horovod:2", [2], 2)
+
+
+SETTINGS = dict(
+    np=2,
+    batch_size=8,
+    warmup_steps=3,
+    steps=2,
+    start_iter=2,
+    min_compression_rate=2.0,
+    threads=1,
+    controller="mpi",
+    cycle_time_ms=5,
+    fusion_threshold_mb=None,
+)
+
+
+def test_mpi_launch_cannot_bypass_the_bandwidth_cap(tmp_path):
+    ((argv, env),) = launch_commands("powersgd", 2, "resnet18", SETTINGS, tmp_path)
+    # Shared memory (vader) would skip the capped loopback: only TCP and self.
+    assert argv[argv.index("btl") + 1] == "tcp,self"
+    assert argv[argv.index("btl_tcp_if_include") + 1] == "lo"
+    assert env["HOROVOD_CYCLE_TIME"] == "5"
+    assert argv[argv.index("--rank") + 1] == "2"
+
+
+def test_local_and_ddp_start_one_process_per_worker(tmp_path):
+    local = launch_commands("local", None, "resnet18", SETTINGS, tmp_path)
+    ddp = launch_commands("ddp-powersgd", 2, "resnet18", SETTINGS, tmp_path)
+    assert [env["BENCH_RANK"] for _, env in local] == ["0", "1"]
+    assert [env["RANK"] for _, env in ddp] == ["0", "1"]
+    assert {env["MASTER_PORT"] for _, env in ddp} == {ddp[0][1]["MASTER_PORT"]}
+    assert all(env["GLOO_SOCKET_IFNAME"] == "lo" for _, env in ddp)
+
+
+# --- cost model ------------------------------------------------------------------------
+
+
+def test_ring_factor():
+    assert costmodel.ring_factor(2) == 1.0
+    assert costmodel.ring_factor(128) == pytest.approx(2 * 127 / 128)
+    with pytest.raises(ValueError):
+        costmodel.ring_factor(0)
+
+
+def test_emulated_wire_time_counts_every_worker_on_the_one_loopback():
+    one = costmodel.wire_seconds(1e6, 4, 1e9)
+    assert one == pytest.approx(8 * 1e6 * 1.5 / 1e9)
+    assert costmodel.emulated_wire_seconds(1e6, 4, 1e9) == pytest.approx(4 * one)
+    assert costmodel.wire_seconds(1e6, 4, None) == 0.0
+
+
+def test_fit_recovers_the_parameters_that_generated_the_data():
+    fixed = {"horovod": 1.4, "powersgd r2": 1.6}
+    efficiency = 1.3
+    samples = [
+        (cfg, x, fixed[cfg] + efficiency * x)
+        for cfg, xs in (("horovod", (0.0, 0.7, 3.6)), ("powersgd r2", (0.0, 0.005, 0.03)))
+        for x in xs
+    ]
+    f = costmodel.fit(samples)
+    assert f.efficiency == pytest.approx(efficiency)
+    assert f.fixed_s == pytest.approx(fixed)
+    assert f.residual_rms_s == pytest.approx(0.0, abs=1e-12)
+
+
+def test_predicted_speedup_grows_as_the_network_gets_slower_and_vanishes_without_bytes():
+    f = costmodel.Fit(fixed_s={"plain": 0.02, "psgd": 0.022}, efficiency=1.0, residual_rms_s=0)
+    table = costmodel.speedup_table(
+        f,
+        plain=("plain", 45e6),
+        compressed=("psgd", 0.33e6),
+        workers=[8, 128],
+        bandwidths=["100gbit", "10gbit"],
+        hop_latency_s=30e-6,
+    )
+    assert table[(8, "10gbit")] > table[(8, "100gbit")] > 1.0
+    # 45 MB at 10 Gbit/s (71 ms) dwarfs 20 ms of compute, even after PowerSGD's
+    # two rounds of 254 hops x 30 us: 99 ms / 38 ms.
+    assert table[(128, "10gbit")] == pytest.approx(2.62, abs=0.01)
+    # With compute scaled up 1000x, communication no longer matters.
+    slow = costmodel.speedup_table(
+        f,
+        plain=("plain", 45e6),
+        compressed=("psgd", 0.33e6),
+        workers=[8],
+        bandwidths=["100gbit"],
+        hop_latency_s=30e-6,
+        compute_scale=1000,
+    )
+    assert slow[(8, "100gbit")] == pytest.approx(0.02 / 0.022, rel=0.01)
+
+
+# --- report ----------------------------------------------------------------------------
+
+
+def _suite(bandwidth, plain_ms, psgd_ms, hook_ms, local_ms):
+    def rec(config, rank, ms, sent):
+        return Record(
+            config, "resnet18", rank, 2, bandwidth, ms, ms * 0.9, ms * 1.1, sent / 4, sent,
+            (44.7e6 / sent) if sent else None, 800.0,
+        )  # fmt: skip
+
+    return [
+        rec("local", None, local_ms, 0),
+        rec("horovod", None, plain_ms, 44.7e6),
+        rec("powersgd", 2, psgd_ms, 0.33e6),
+        rec("powersgd-fp16", 2, psgd_ms, 0.18e6),
+        rec("ddp-powersgd", 2, hook_ms, 0.33e6),
+    ]
+
+
+def test_targets_compare_medians_of_the_same_bandwidth():
+    records = _suite("200mbit", 4300, 1500, 1500, 1400) + _suite(
+        "unlimited", 1400, 1600, 1500, 1300
+    )
+    rows = {row[0]: row for row in report.target_rows(records)}
+    hook = rows["resnet18: PowerSGD r2 / torch DDP powerSGD_hook r2, 200mbit"]
+    assert hook[1:] == ("1.00x", "<= 0.9x", "missed")
+    assert rows["resnet18: PowerSGD r2 / local (no communication), 200mbit"][3] == "hit"
+    assert rows["resnet18: PowerSGD r2 / plain Horovod, unlimited"][1] == "1.14x"
+    assert rows["resnet18: bytes, plain / powersgd-fp16 r2"][3] == "missed"  # 248x < 260x
+
+
+def test_markdown_report_keeps_hand_written_notes(tmp_path):
+    records = _suite("unlimited", 1400, 1600, 1500, 1300) + _suite(
+        "200mbit", 4300, 1500, 1500, 1400
+    )
+    path = tmp_path / "benchmarks.md"
+    path.write_text("old generated text\n\n## Notes\n\nhand-written finding\n")
+    report.write_markdown(records, path, command="make bench", settings=SETTINGS)
+    text = path.read_text()
+    assert "old generated text" not in text
+    assert text.endswith("## Notes\n\nhand-written finding\n")
+    assert "## resnet18, 2 workers, bandwidth 200mbit" in text
+    assert "Predicted speedup" in text
