@@ -48,5 +48,16 @@ lint:
 docker-check:
 	bash docker/check.sh
 
+# Fashion-MNIST, 2 workers, PowerSGD rank 2, one epoch (minutes on 2 cores);
+# the last line gives test accuracy, bytes sent and the compression ratio.
+demo: setup
+	$(RUN_CAP) $(VENV)/bin/horovodrun -np 2 -H localhost:2 \
+		$(PY) examples/fashion_mnist.py --powersgd-rank 2 --epochs 1
+
+# Plain Horovod vs PowerSGD ranks 1, 2, 4 on both examples -> docs/results/;
+# about an hour or more on 2 cores, so not part of `make test`.
+convergence: setup
+	$(PY) scripts/convergence.py
+
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache

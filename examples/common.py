@@ -135,14 +135,36 @@ def sum_across_ranks(*values: float, name: str) -> list:
 
 
 def progress(iterable, total: int, args, desc: str):
-    """A tqdm bar on rank 0 (tqdm is optional: the dev extra has it)."""
-    if args.no_progress or hvd.rank() != 0:  # Horovod: only rank 0 draws a bar.
+    """A tqdm bar on rank 0; a line every 10 % where stderr is not a terminal.
+
+    Under horovodrun or mpirun the launcher relays output line by line, so a
+    bar redrawn with carriage returns would arrive as one line at the end.
+    """
+    if args.no_progress or hvd.rank() != 0:  # Horovod: only rank 0 reports progress.
         return iterable
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return iterable
-    return tqdm(iterable, total=total, desc=desc, leave=False, dynamic_ncols=True)
+    if sys.stderr.isatty():
+        try:
+            from tqdm import tqdm  # in the dev extra; optional
+
+            return tqdm(iterable, total=total, desc=desc, leave=False, dynamic_ncols=True)
+        except ImportError:
+            pass
+    return _progress_lines(iterable, total, desc)
+
+
+def _progress_lines(iterable, total: int, desc: str):
+    start, next_report = time.perf_counter(), 1
+    for step, item in enumerate(iterable, 1):
+        yield item
+        if step * 10 >= next_report * total and step < total:
+            elapsed = time.perf_counter() - start
+            print(
+                f"{desc}: {step}/{total} steps, {elapsed:.0f} s, "
+                f"about {elapsed * (total - step) / step:.0f} s left",
+                file=sys.stderr,
+                flush=True,
+            )
+            next_report = step * 10 // total + 1
 
 
 def human_bytes(n: float) -> str:
