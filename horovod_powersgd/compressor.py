@@ -53,9 +53,11 @@ def matrix_shape(shape: torch.Size) -> tuple[int, int]:
 def orthogonalize_(matrices: torch.Tensor) -> torch.Tensor:
     """Orthonormalise the columns of each matrix of a (k, n, r) batch, in place.
 
-    Modified Gram-Schmidt with re-orthogonalisation, batched over k: every matrix is normalised by its own
-    column norms (never one norm for the whole batch). A column that is zero
-    (or numerically zero) stays zero instead of becoming NaN.
+    Modified Gram-Schmidt with re-orthogonalisation, batched over k: every
+    matrix is normalised by its own column norms (never one norm for the whole
+    batch). A column that is zero, or numerically dependent on the columns
+    before it, becomes zero instead of NaN or noise, so P̂·P̂ᵀ is always an
+    orthogonal projection.
 
     Example:
         >>> p = torch.randn(3, 10, 2)
@@ -63,20 +65,26 @@ def orthogonalize_(matrices: torch.Tensor) -> torch.Tensor:
         >>> torch.allclose(q.transpose(1, 2) @ q, torch.eye(2).expand(3, 2, 2), atol=1e-5)
         True
     """
-    tiny = torch.finfo(matrices.dtype).tiny
+    finfo = torch.finfo(matrices.dtype)
+    # A column left with less than this fraction of its norm after removing the
+    # columns before it is rounding noise, not a new direction: it counts as
+    # zero. (Normalising it would add a spurious, non-orthogonal direction;
+    # with exact-zero rows in P it cannot even be made orthogonal.)
+    relative_floor = 1000 * finfo.eps
+    initial = torch.linalg.vector_norm(matrices, dim=1, keepdim=True)  # (k, 1, r)
     rank = matrices.shape[-1]
     for i in range(rank):
         col = matrices[:, :, i : i + 1]
         if i > 0:
             # Second projection against the columns before ("twice is enough"):
-            # when a column is nearly dependent on them, one pass leaves mostly
-            # rounding noise that still points along them.
+            # one pass leaves the remainder of a nearly dependent column
+            # pointing partly along them.
             done = matrices[:, :, :i]
             col.sub_(done @ (done.transpose(1, 2) @ col))
         norm = torch.linalg.vector_norm(col, dim=1, keepdim=True)
-        # where() instead of clamp: a zero column must give zeros, and 1/norm of a
-        # subnormal norm overflows to inf, so such columns count as zero as well.
-        col.mul_(torch.where(norm > tiny, norm.reciprocal(), torch.zeros_like(norm)))
+        alive = (norm > finfo.tiny) & (norm > relative_floor * initial[:, :, i : i + 1])
+        # where() instead of a clamp: a zero column must give zeros, never NaN/Inf.
+        col.mul_(torch.where(alive, norm.reciprocal(), torch.zeros_like(norm)))
         if i + 1 < rank:
             rest = matrices[:, :, i + 1 :]
             rest.sub_(col @ (col.transpose(1, 2) @ rest))
@@ -346,16 +354,16 @@ class PowerSGDCompressor:
             "rng_states": [b.generator.get_state() for b in self.buckets.values()],
         }
 
-    def check_state_dict(self, state: dict) -> None:
+    def check_state_dict(self, state: dict, tensor_keys=("error_buffers", "q_memory")) -> None:
         """Raise ValueError, naming the cause, if `state` does not fit this model."""
         if not isinstance(state, dict):
             raise ValueError("PowerSGD state must be a dict from state_dict()")
-        for key in ("error_buffers", "q_memory", "rng_states"):
+        for key in (*tensor_keys, "rng_states"):
             if key not in state:
                 raise ValueError(
                     f"PowerSGD state has no '{key}': not a horovod_powersgd checkpoint"
                 )
-        for key in ("error_buffers", "q_memory"):
+        for key in tensor_keys:
             saved = state[key]
             if set(saved) != set(self._where):
                 missing = sorted(set(self._where) - set(saved))
@@ -388,6 +396,15 @@ class PowerSGDCompressor:
                 target.copy_(tensor)
         for bucket, rng in zip(self.buckets.values(), state["rng_states"]):
             bucket.generator.set_state(rng.cpu() if hasattr(rng, "cpu") else rng)
+
+    def load_shared_state(self, q_memory: dict, rng_states: list) -> None:
+        """Set the Q memory and RNG states (the state equal on every rank)."""
+        self.check_state_dict({"q_memory": q_memory, "rng_states": rng_states}, ("q_memory",))
+        for name, tensor in q_memory.items():
+            group, i = self._where[name]
+            group.q_memory[i].copy_(tensor)
+        for bucket, rng in zip(self.buckets.values(), rng_states):
+            bucket.generator.set_state(rng)
 
     def reset_error(self) -> None:
         """Forget the residuals (e.g. after the set of workers changed)."""

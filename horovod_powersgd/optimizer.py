@@ -7,6 +7,7 @@ communication rounds of a step, each as one fused (grouped) all-reduce.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import os
@@ -16,13 +17,14 @@ from contextlib import contextmanager
 
 import horovod.torch as hvd
 import torch
+from horovod.torch.elastic import state as _elastic_state
 
 from .compressor import PowerSGDCompressor
 from .config import PowerSGDConfig
 
-# Each optimizer gets its own collective names; ranks build optimizers in the
-# same order, so the counter agrees across ranks.
-_instances = itertools.count()
+# Each optimizer gets its own collective names: a count per process set, since
+# the ranks of a process set build its optimizers in the same order.
+_instances: dict = collections.defaultdict(itertools.count)
 
 _STATE_KEY = "powersgd"
 
@@ -53,7 +55,8 @@ class _DistributedOptimizer:
         self.config = config
         self.op = op
         self.process_set = process_set
-        self._name = f"powersgd.{next(_instances)}"
+        set_id = process_set.process_set_id
+        self._name = f"powersgd.{set_id}.{next(_instances[set_id])}"
 
         self._names: dict[torch.Tensor, str] = {p: name for name, p in named_parameters}
         # Parameters that get a gradient, in a fixed order (that of param_groups).
@@ -66,7 +69,11 @@ class _DistributedOptimizer:
                     f"parameter {self._names[p]!r} is sparse; PowerSGD compresses dense "
                     "gradients only (use a dense layer or plain hvd.DistributedOptimizer)"
                 )
-        self._check_same_model_on_every_rank()
+        # Under elastic Horovod a worker that joins builds its optimizer while
+        # the others wait in the state sync: the check runs there instead.
+        if os.environ.get("HOROVOD_ELASTIC") != "1":
+            self._check_same_model_on_every_rank()
+        self._synced_world_size = process_set.size()
 
         self.compressor = PowerSGDCompressor([(self._names[p], p) for p in self._params], config)
         self._uncompressed = [
@@ -133,6 +140,31 @@ class _DistributedOptimizer:
                     + _first_difference(mine, other, self.process_set.rank(), other_rank)
                 )
 
+    def broadcast_powersgd_state(self, root_rank: int = 0) -> None:
+        """Make the state that must agree across ranks equal to `root_rank`'s.
+
+        Q memory, RNG states and step counter must be identical on every rank
+        (P = M·Q is summed across ranks). Error buffers are per worker and are
+        not sent; if the number of workers changed since the last sync they
+        are reset to zero (each residual was a share of the old world's sum).
+        Called by elastic Horovod's state sync (see `_PowerSGDStateHandler`);
+        call it yourself after changing the workers in any other way.
+        """
+        shared = self.compressor.state_dict()
+        payload = {
+            "q_memory": shared["q_memory"],
+            "rng_states": shared["rng_states"],
+            "step": self.powersgd_step,
+        }
+        payload = hvd.broadcast_object(
+            payload, root_rank=root_rank, name=f"{self._name}.sync", process_set=self.process_set
+        )
+        self.compressor.load_shared_state(payload["q_memory"], payload["rng_states"])
+        self.powersgd_step = payload["step"]
+        if self.process_set.size() != self._synced_world_size:
+            self.compressor.reset_error()
+            self._synced_world_size = self.process_set.size()
+
     # --- hooks ---------------------------------------------------------------------------
     def _hook(self, p: torch.Tensor) -> None:
         if self._delay[p] <= 0:
@@ -166,6 +198,8 @@ class _DistributedOptimizer:
 
     def _begin_step(self):
         self._step_begun = True
+        # A synchronize() whose step was skipped (e.g. by GradScaler) is over.
+        self._synchronized = False
         if self._compressing:
             self.compressor.begin_step()
 
@@ -213,15 +247,14 @@ class _DistributedOptimizer:
             if p not in self._ready:
                 self._delay[p] = 0
                 self._gradient_ready(p)
-        if self._round1 is None:  # every gradient was ready before: launched in the hook
-            self._launch_round1()
-        outputs = hvd.synchronize(self._round1)
+        # The last ready gradient launched round 1, unless there is no gradient at all.
+        outputs = hvd.synchronize(self._round1) if self._round1 is not None else []
         self._round1 = None
         for grad, copy in self._casts:
             grad.copy_(copy)
         self._casts = []
         kind = "warmup"
-        if self._compressing:
+        if self._compressing and self._compressed:
             kind = "compressed"
             p_sums = list(outputs[: self._round1_count])
             q_buffers = self.compressor.project(p_sums)  # steps 4-5
@@ -237,6 +270,8 @@ class _DistributedOptimizer:
             grads = self.compressor.decompress(list(q_avgs))  # step 6a
             for p in self._compressed:
                 p.grad.copy_(grads[self._names[p]])
+        elif self._compressing:
+            kind = "compressed"  # nothing passed the rate test: P and Q are empty
         elements, sent, sent_bytes = self._per_step[kind]
         self._stats["steps"] += 1
         self._stats["elements_uncompressed"] += elements
@@ -354,6 +389,7 @@ class _DistributedOptimizer:
         self.compressor.load_state_dict(ours["compressor"])
         self.powersgd_step = ours["step"]
         self._stats = dict(ours["stats"])
+        self._synced_world_size = ours["world_size"]
         if ours["world_size"] != self.process_set.size():
             warnings.warn(
                 f"checkpoint was saved with {ours['world_size']} workers, now "
@@ -361,6 +397,21 @@ class _DistributedOptimizer:
                 stacklevel=2,
             )
             self.compressor.reset_error()
+            self._synced_world_size = self.process_set.size()
+
+
+class _PowerSGDStateHandler(_elastic_state.OptimizerStateHandler):
+    """`hvd.elastic.TorchState` handler for our optimizers.
+
+    On every sync (start, and after each change of workers) it does what the
+    stock optimizer handler does, then checks that all ranks hold the same
+    model and broadcasts the PowerSGD state that must agree across ranks.
+    """
+
+    def sync(self):
+        self.value._check_same_model_on_every_rank()
+        super().sync()
+        self.value.broadcast_powersgd_state(root_rank=0)
 
 
 def DistributedOptimizer(
@@ -493,6 +544,12 @@ def DistributedOptimizer(
     members["__module__"] = hvd.DistributedOptimizer.__module__
     cls = type(optimizer.__class__.__name__, (optimizer.__class__, _DistributedOptimizer), members)
     return cls(optimizer.param_groups, named_parameters, config, op, process_set)
+
+
+# hvd.elastic.TorchState picks the first handler whose type matches: ours first.
+_elastic_state.set_handler_registry(
+    [(_DistributedOptimizer, _PowerSGDStateHandler), *_elastic_state.get_handler_registry()]
+)
 
 
 def _wire_size(p: torch.Tensor) -> int:

@@ -12,6 +12,8 @@ import horovod.torch as hvd
 import pytest
 import torch
 
+# Process sets made at run time (a test builds one without rank 1).
+os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
 hvd.init()
 torch.manual_seed(1234 + hvd.rank())
 

@@ -23,8 +23,10 @@ def simulated_step(compressors, grads, op="average"):
         c.begin_step()
         for name in c.compressed_names:
             c.compress(name, g[name])
-    ms = [{n: c._where[n][0].matrices[c._where[n][1]].clone() for n in c.compressed_names}
-          for c in compressors]
+    ms = [
+        {n: c._where[n][0].matrices[c._where[n][1]].clone() for n in c.compressed_names}
+        for c in compressors
+    ]
     p_bufs = [c.p_buffers() for c in compressors]
     p_sums = [sum(bufs[i].clone() for bufs in p_bufs) for i in range(len(p_bufs[0]))]
     for bufs in p_bufs:
@@ -32,8 +34,13 @@ def simulated_step(compressors, grads, op="average"):
             buf.copy_(total)
     q_bufs = [c.project(bufs) for c, bufs in zip(compressors, p_bufs)]
     locals_ = [
-        {n: (c._where[n][0].p[c._where[n][1]].clone(), c._where[n][0].q_local[c._where[n][1]].clone())
-         for n in c.compressed_names}
+        {
+            n: (
+                c._where[n][0].p[c._where[n][1]].clone(),
+                c._where[n][0].q_local[c._where[n][1]].clone(),
+            )
+            for n in c.compressed_names
+        }
         for c in compressors
     ]
     divisor = world if op == "average" else 1
@@ -74,6 +81,19 @@ def test_orthogonalize_all_zero_gives_zeros_not_nan():
     assert torch.isfinite(batch).all()
     assert torch.equal(batch[0], torch.zeros(8, 3))
     assert torch.allclose(batch[1, :, 0].norm(), torch.tensor(1.0))
+
+
+def test_orthogonalize_rank_deficient_gives_a_projection_onto_the_columns():
+    # More columns than independent directions, and exact-zero rows (dead ReLU
+    # units do this): the extra columns must vanish, not become parallel noise.
+    torch.manual_seed(9)
+    a = torch.randn(48, 20) @ torch.randn(20, 48)
+    a[5:9] = 0
+    p = orthogonalize_(a.clone().unsqueeze(0))[0]
+    gram = p.T @ p
+    assert torch.allclose(gram, torch.diag(torch.diagonal(gram)), atol=1e-5)
+    assert set(torch.diagonal(gram).round().tolist()) <= {0.0, 1.0}
+    torch.testing.assert_close(p @ (p.T @ a), a, rtol=1e-4, atol=1e-4)
 
 
 def test_rate_test_and_matrix_views():
@@ -236,8 +256,10 @@ def test_state_dict_round_trip_is_bit_exact():
     (a,) = make_workers(shapes, workers=1, rank=2, warm_start=False)
     for g in data[:4]:
         simulated_step([a], [g])
-    saved = {k: (v if k == "rng_states" else {n: t.clone() for n, t in v.items()})
-             for k, v in a.state_dict().items()}
+    saved = {
+        k: (v if k == "rng_states" else {n: t.clone() for n, t in v.items()})
+        for k, v in a.state_dict().items()
+    }
     expected = [simulated_step([a], [g])[0][0] for g in data[4:]]
     (b,) = make_workers(shapes, workers=1, rank=2, warm_start=False, seed=99)
     b.load_state_dict(saved)

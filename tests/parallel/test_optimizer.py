@@ -1,0 +1,423 @@
+"""DistributedOptimizer under real Horovod collectives; every rank runs every test."""
+
+import gzip
+import os
+import struct
+import tempfile
+import warnings
+
+import horovod.torch as hvd
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import horovod_powersgd as hps
+
+
+def make_model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 10)
+    ).to(dtype)
+
+
+def batch(step, rank=None, size=16, dtype=torch.float32):
+    """Different data on every rank and step, reproducible."""
+    g = torch.Generator().manual_seed(1000 * step + (hvd.rank() if rank is None else rank))
+    x = torch.randn(size, 32, generator=g, dtype=dtype)
+    y = torch.randint(0, 10, (size,), generator=g)
+    return x, y
+
+
+def train(model, opt, steps, first_step=0):
+    for step in range(first_step, first_step + steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def assert_same_on_every_rank(tensor, name):
+    gathered = hvd.allgather(tensor.detach().reshape(1, -1).float(), name=f"same.{name}")
+    for r in range(1, hvd.size()):
+        assert torch.equal(gathered[r], gathered[0]), f"{name} differs between rank 0 and {r}"
+
+
+def powersgd(model, **kwargs):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return hps.DistributedOptimizer(opt, named_parameters=model.named_parameters(), **kwargs)
+
+
+def test_full_rank_equals_plain_horovod_average():
+    model = make_model()
+    opt = powersgd(model, rank=64, min_compression_rate=0)
+    assert len(opt.compressor.compressed_names) == 3
+    x, y = batch(0)
+    F.cross_entropy(model(x), y).backward()
+    raw = {n: p.grad.clone() for n, p in model.named_parameters()}
+    expected = {n: hvd.allreduce(g, name=f"expected.{n}", op=hvd.Average) for n, g in raw.items()}
+    opt.synchronize()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], rtol=1e-4, atol=1e-6)
+
+
+def test_sum_and_predivide_keep_horovods_meaning():
+    results = {}
+    for key, kwargs in {
+        "avg": {},
+        "sum": {"op": hvd.Sum},
+        "predivide": {"gradient_predivide_factor": 2.0},
+    }.items():
+        model = make_model()
+        opt = powersgd(model, rank=64, min_compression_rate=0, **kwargs)
+        x, y = batch(0)
+        F.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        results[key] = [p.grad.clone() for p in model.parameters()]
+    for avg, total, pre in zip(results["avg"], results["sum"], results["predivide"]):
+        torch.testing.assert_close(total, avg * hvd.size(), rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(pre, avg, rtol=1e-4, atol=1e-6)
+
+
+def test_parameters_bitwise_identical_on_every_rank_after_many_steps():
+    model = make_model()
+    opt = powersgd(model, rank=2)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    train(model, opt, steps=30)
+    assert opt.compression_stats()["ratio"] > 1
+    for n, p in model.named_parameters():
+        assert torch.isfinite(p).all()
+        assert_same_on_every_rank(p, n)
+
+
+def test_first_start_iter_steps_equal_plain_horovod():
+    plain_model, ours_model = make_model(), make_model()
+    plain = hvd.DistributedOptimizer(
+        torch.optim.SGD(plain_model.parameters(), lr=0.05, momentum=0.9),
+        named_parameters=plain_model.named_parameters(),
+    )
+    ours = powersgd(ours_model, rank=2, start_iter=5)
+    train(plain_model, plain, steps=5)
+    train(ours_model, ours, steps=5)
+    for (n, a), b in zip(plain_model.named_parameters(), ours_model.parameters()):
+        if hvd.size() <= 2:  # a sum of two floats does not depend on the order
+            assert torch.equal(a, b), n
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    stats = ours.compression_stats()
+    assert stats["elements_sent"] == stats["elements_uncompressed"]
+    train(ours_model, ours, steps=1, first_step=5)
+    stats = ours.compression_stats()
+    assert stats["elements_sent"] < stats["elements_uncompressed"]
+
+
+@pytest.mark.parametrize("rate", [1e12, 2.0], ids=["uncompressed", "compressed"])
+def test_backward_passes_per_step_equals_one_pass_over_the_combined_batch(rate):
+    grads = []
+    for passes in (1, 2):
+        model = make_model()
+        opt = powersgd(model, rank=2, min_compression_rate=rate, backward_passes_per_step=passes)
+        x, y = batch(0, size=32)
+        for chunk_x, chunk_y in zip(x.chunk(passes), y.chunk(passes)):
+            (F.cross_entropy(model(chunk_x), chunk_y) / passes).backward()
+        opt.synchronize()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        assert opt.compression_stats()["steps"] == 1
+    for one, two in zip(*grads):
+        torch.testing.assert_close(two, one, rtol=1e-4, atol=1e-6)
+
+
+def test_more_backward_passes_than_configured_raises():
+    model = make_model()
+    opt = powersgd(model, backward_passes_per_step=1)
+    x, y = batch(0)
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(AssertionError, match="backward_passes_per_step"):
+        F.cross_entropy(model(x), y).backward()
+    opt.synchronize()
+
+
+def test_compression_stats_follow_the_formula():
+    # weights 128x256 and 10x128 are compressed at rank 2; biases (128 + 10) are not.
+    full = 128 * 256 + 128 + 10 * 128 + 10
+    p_q = 2 * (128 + 256) + 2 * (10 + 128)
+    for comm_dtype, pq_bytes in ((None, 4), (torch.float16, 2)):
+        model = nn.Sequential(nn.Linear(256, 128), nn.Linear(128, 10))
+        opt = powersgd(model, rank=2, start_iter=1, comm_dtype=comm_dtype)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 256)).sum().backward()
+            opt.step()
+        stats = opt.compression_stats()
+        assert stats["steps"] == 3
+        assert stats["elements_uncompressed"] == 3 * full
+        # step 0 is a plain all-reduce (start_iter=1), steps 1-2 send P, Q and the biases
+        assert stats["elements_sent"] == full + 2 * (p_q + 138)
+        assert stats["bytes_sent"] == 4 * full + 2 * (pq_bytes * p_q + 4 * 138)
+        assert stats["ratio"] == stats["elements_uncompressed"] / stats["elements_sent"]
+
+
+def test_checkpoint_resume_is_bit_exact(tmp_path_factory):
+    directory = hvd.broadcast_object(tempfile.mkdtemp(prefix="hps-ckpt-"), root_rank=0)
+    path = os.path.join(directory, "ckpt.pt")
+    model = make_model()
+    opt = powersgd(model, rank=2, warm_start=False)
+    train(model, opt, steps=4)
+    hps.save_checkpoint(path, model, opt, epoch=3)
+    train(model, opt, steps=4, first_step=4)
+
+    resumed = make_model(seed=123)
+    resumed_opt = powersgd(resumed, rank=2, warm_start=False)
+    extra = hps.load_checkpoint(path, resumed, resumed_opt)
+    assert extra == {"epoch": 3}
+    train(resumed, resumed_opt, steps=4, first_step=4)
+    for (n, a), b in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), n
+    assert resumed_opt.compression_stats() == opt.compression_stats()
+    hvd.barrier()
+
+
+def test_load_state_dict_of_another_model_fails_and_keeps_state():
+    model, other = make_model(), nn.Sequential(nn.Linear(32, 80), nn.Linear(80, 10))
+    opt = powersgd(model, rank=2)
+    other_opt = powersgd(other, rank=2)
+    train(model, opt, steps=1)
+    before = {k: v.clone() for k, v in opt.compressor.state_dict()["error_buffers"].items()}
+    with pytest.raises(ValueError, match="PowerSGD checkpoint"):
+        opt.load_state_dict(other_opt.state_dict())
+    after = opt.compressor.state_dict()["error_buffers"]
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_broadcast_optimizer_state_at_start_runs_no_powersgd_step():
+    model = make_model(seed=hvd.rank())  # different on every rank until broadcast
+    opt = powersgd(model, rank=2)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert opt.compression_stats()["steps"] == 0
+    for n, p in model.named_parameters():
+        assert_same_on_every_rank(p, n)
+        assert_same_on_every_rank(opt.state[p]["momentum_buffer"], f"momentum.{n}")
+    train(model, opt, steps=3)
+    for n, p in model.named_parameters():
+        assert_same_on_every_rank(p, n)
+
+
+def test_unused_and_non_finite_gradients_leave_state_finite():
+    model = make_model()
+    unused = nn.Linear(64, 64)  # gets no gradient: sent as zeros, like Horovod
+    params = [
+        *model.named_parameters(),
+        *(("unused." + n, p) for n, p in unused.named_parameters()),
+    ]
+    opt = hps.DistributedOptimizer(
+        torch.optim.SGD([p for _, p in params], lr=0.05), named_parameters=params, rank=2
+    )
+    train(model, opt, steps=2)
+    assert torch.equal(unused.weight.grad, torch.zeros_like(unused.weight))
+    x, y = batch(2)
+    if hvd.rank() == hvd.size() - 1:
+        x[0, 0] = float("nan")  # an overflow on one rank only
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.synchronize()
+    # every rank sees the overflow (so a GradScaler would skip the step everywhere) ...
+    assert not all(torch.isfinite(p.grad).all() for p in model.parameters())
+    # ... and no NaN/Inf stays in the PowerSGD state
+    state = opt.compressor.state_dict()
+    for kind in ("error_buffers", "q_memory"):
+        for n, t in state[kind].items():
+            assert torch.isfinite(t).all(), f"{kind}[{n}]"
+    # The poisoned step is skipped, as GradScaler would do; training goes on.
+    train(model, opt, steps=3, first_step=3)
+    for n, p in model.named_parameters():
+        assert torch.isfinite(p).all(), n
+        assert_same_on_every_rank(p, n)
+
+
+def test_amp_grad_scaler_and_clipping_pattern():
+    model = make_model()
+    opt = powersgd(model, rank=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    for step in range(3):
+        x, y = batch(step)
+        if step == 1 and hvd.rank() == 0:
+            x[0, 0] = float("inf")
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        if step == 0:
+            first = [p.detach().clone() for p in model.parameters()]
+        if step == 1:  # skipped on every rank: parameters unchanged
+            assert all(torch.equal(a, b) for a, b in zip(first, model.parameters()))
+    assert scaler.get_scale() < 1024.0
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    for n, p in model.named_parameters():
+        assert torch.isfinite(p).all()
+        assert_same_on_every_rank(p, n)
+
+
+def test_zero_grad_with_pending_work_raises_and_step_after_synchronize_warns():
+    model = make_model()
+    opt = powersgd(model, rank=2)
+    x, y = batch(0)
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(AssertionError, match="zero_grad"):
+        opt.zero_grad()
+    opt.synchronize()
+    with pytest.warns(UserWarning, match="skip_synchronize"):
+        opt.step()
+
+
+def test_bfloat16_model_trains():
+    model = make_model(dtype=torch.bfloat16)
+    opt = powersgd(model, rank=2)
+    x, y = batch(0, size=64, dtype=torch.bfloat16)
+    losses = []
+    for _ in range(15):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.bfloat16
+        assert_same_on_every_rank(p, n)
+
+
+# --- bad input: a clear error on every rank, before any collective could hang ---------------
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rank": 0}, "rank"),
+        ({"rank": 1.5}, "rank"),
+        ({"min_compression_rate": -1}, "min_compression_rate"),
+        ({"op": hvd.Adasum}, "Adasum"),
+        ({"op": "mean"}, "op must be"),
+        ({"comm_dtype": torch.int32}, "comm_dtype"),
+        ({"comm_dtype": torch.bfloat16}, "bfloat16"),
+        ({"op": hvd.Sum, "gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
+    ],
+)
+def test_bad_settings_raise(kwargs, message):
+    model = make_model()
+    with pytest.raises(ValueError, match=message):
+        powersgd(model, **kwargs)
+
+
+def test_bad_named_parameters_raise():
+    model = make_model()
+    named = list(model.named_parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="unique"):
+        hps.DistributedOptimizer(opt, named_parameters=[named[0], (named[0][0], named[1][1])])
+    with pytest.raises(ValueError, match="missing from named_parameters"):
+        hps.DistributedOptimizer(opt, named_parameters=named[:-1])
+
+
+def test_sparse_gradient_raises():
+    emb = nn.Embedding(100, 16, sparse=True)
+    opt = hps.DistributedOptimizer(
+        torch.optim.SGD(emb.parameters(), lr=0.1), named_parameters=emb.named_parameters()
+    )
+    with pytest.raises(ValueError, match="sparse"):
+        emb(torch.tensor([1, 2, 3])).sum().backward()
+    del opt
+
+
+@pytest.mark.world_size(2)
+def test_shapes_that_differ_across_ranks_raise_on_every_rank():
+    torch.manual_seed(0)
+    width = 64 if hvd.rank() == 0 else 65
+    model = nn.Sequential(nn.Linear(32, width), nn.Linear(width, 10))
+    with pytest.raises(ValueError, match="differ across ranks"):
+        powersgd(model)
+
+
+@pytest.mark.world_size(2)
+def test_parameter_count_or_settings_that_differ_across_ranks_raise_on_every_rank():
+    layers = [nn.Linear(32, 64), nn.Linear(64, 10)]
+    if hvd.rank() == 1:
+        layers.append(nn.Linear(10, 10))
+    with pytest.raises(ValueError, match="differ across ranks"):
+        powersgd(nn.Sequential(*layers))
+    with pytest.raises(ValueError, match="differ across ranks"):
+        powersgd(make_model(), rank=2 + hvd.rank())
+
+
+@pytest.mark.world_size(2)
+def test_process_set_without_this_rank_raises():
+    only_rank0 = hvd.add_process_set([0])
+    try:
+        if hvd.rank() == 1:
+            with pytest.raises(ValueError, match="not in process_set"):
+                powersgd(make_model(), process_set=only_rank0)
+        else:
+            model = make_model()
+            opt = powersgd(model, process_set=only_rank0)
+            train(model, opt, steps=2)
+            assert opt.compression_stats()["steps"] == 2
+    finally:
+        hvd.remove_process_set(only_rank0)
+
+
+# --- convergence smoke test on real data -------------------------------------------------------
+FASHION = "/usr/share/datasets/fashion-mnist"
+
+
+def read_idx(path):
+    with gzip.open(path, "rb") as f:
+        data = f.read()
+    dims = data[3]
+    shape = struct.unpack(f">{dims}I", data[4 : 4 + 4 * dims])
+    return torch.frombuffer(bytearray(data[4 + 4 * dims :]), dtype=torch.uint8).reshape(shape)
+
+
+def test_rank2_converges_like_plain_horovod_on_fashion_mnist():
+    images = read_idx(f"{FASHION}/train-images-idx3-ubyte.gz")[:4096].float().div(255).flatten(1)
+    labels = read_idx(f"{FASHION}/train-labels-idx1-ubyte.gz")[:4096].long()
+    test_x = read_idx(f"{FASHION}/t10k-images-idx3-ubyte.gz")[:1000].float().div(255).flatten(1)
+    test_y = read_idx(f"{FASHION}/t10k-labels-idx1-ubyte.gz")[:1000].long()
+    shard = slice(hvd.rank(), None, hvd.size())  # each rank its own share
+    x, y = images[shard], labels[shard]
+
+    def run(rank):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if rank:
+            opt = hps.DistributedOptimizer(sgd, model.named_parameters(), rank=rank)
+        else:
+            opt = hvd.DistributedOptimizer(sgd, model.named_parameters())
+        g = torch.Generator().manual_seed(hvd.rank())
+        for _ in range(150):
+            idx = torch.randint(0, len(x), (32,), generator=g)
+            opt.zero_grad()
+            F.cross_entropy(model(x[idx]), y[idx]).backward()
+            opt.step()
+        with torch.no_grad():
+            return F.cross_entropy(model(test_x), test_y).item(), opt
+
+    plain_loss, _ = run(0)
+    rank2_loss, opt = run(2)
+    assert opt.compression_stats()["ratio"] > 10
+    assert rank2_loss < 0.8  # it learned: chance level is ln(10) = 2.3
+    assert rank2_loss <= plain_loss * 1.05, (rank2_loss, plain_loss)
+
+
+def test_no_warnings_in_normal_use():
+    model = make_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = powersgd(model, rank=2)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        train(model, opt, steps=2)
