@@ -34,6 +34,7 @@ mkdir /mnt/upper /mnt/work /mnt/root
 mount -t overlay overlay -o "lowerdir=$root,upperdir=/mnt/upper,workdir=/mnt/work" /mnt/root
 new=/mnt/root
 mount -t proc proc "$new/proc"
+mount -t sysfs -o ro sysfs "$new/sys"  # hwloc (OpenMPI) reads the CPU topology there
 mount --rbind /dev "$new/dev"
 for d in dev/shm tmp run; do mount -t tmpfs tmpfs "$new/$d"; done
 touch "$new/etc/hosts"  # a runtime provides it; the image need not have one

@@ -2,7 +2,7 @@
 # A quick proof that an image of horovod-powersgd works (about a minute).
 #
 #   docker run --rm horovod-powersgd:cpu docker/smoke.sh
-#     one node: the package imports, Horovod initialises, 2 ranks all-reduce
+#     one node: Horovod's build check, the package imports, Horovod initialises, 2 ranks all-reduce
 #     over Gloo and over MPI, and sshd (entrypoint.sh, SSHD=1) takes a key
 #     login with the image's PATH on the far side;
 #   HOSTS=node1:2,node2:2 IFACE=eth0 docker/smoke.sh
@@ -35,6 +35,7 @@ if [[ -n "${HOSTS:-}" ]]; then
   exit 0
 fi
 
+horovodrun --check-build
 python -c 'import horovod_powersgd, horovod.torch as hvd; hvd.init(); print("import + hvd.init ok")'
 
 for controller in gloo mpi; do
