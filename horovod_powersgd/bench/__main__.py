@@ -153,6 +153,11 @@ def launch_commands(
                 "--mca",
                 "oob_tcp_if_include",
                 "lo",
+                # Waiting ranks yield the core instead of busy-polling it: with every
+                # core already running a worker, a spinning wait slows the others.
+                "--mca",
+                "mpi_yield_when_idle",
+                "1",
             ]
             for var in (
                 "OMP_NUM_THREADS",
@@ -222,6 +227,12 @@ def run_config(
             tail = "\n".join(log[-3000:] for log in logs)
             print(f"[bench] {config} (rank {rank}) at {bandwidth} FAILED:\n{tail}", file=sys.stderr)
             return None
+    phases = reports[0]["phase_median_ms"]
+    print(
+        " [rank 0 median: " + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()) + " ms]",
+        end="",
+        file=sys.stderr,
+    )
     plain_bytes = 4.0 * max(r["elements_uncompressed_per_step"] for r in reports)
     if config == "local":
         plain_bytes = 0.0

@@ -152,10 +152,19 @@ def main(argv=None) -> None:
     generator = torch.Generator().manual_seed(1000 + rank)
     batch = make_batch(args.batch_size, generator)
 
+    phases = {"forward": [], "backward": [], "step": []}
+
     def train_step():
+        t0 = time.perf_counter()
         opt.zero_grad()
-        loss_fn(net, batch).backward()
+        loss = loss_fn(net, batch)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
         opt.step()
+        phases["forward"].append(t1 - t0)
+        phases["backward"].append(t2 - t1)
+        phases["step"].append(time.perf_counter() - t2)
         if hasattr(counters, "step"):
             counters.step()
 
@@ -164,6 +173,8 @@ def main(argv=None) -> None:
     barrier()
     before = dict(counters())
     step_times = []
+    for values in phases.values():
+        values.clear()
     for _ in range(args.steps):
         start = time.perf_counter()
         train_step()
@@ -177,6 +188,8 @@ def main(argv=None) -> None:
         "elements_per_step": sent["elements_sent"],
         "bytes_per_step": sent["bytes_sent"],
         "peak_rss_mb": _peak_rss_mb(),
+        # Where a step's time goes (backward includes communication that overlaps it).
+        "phase_median_ms": {k: 1e3 * sorted(v)[len(v) // 2] for k, v in phases.items()},
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"rank{rank}.json").write_text(json.dumps(report))
