@@ -59,5 +59,16 @@ demo: setup
 convergence: setup
 	$(PY) scripts/convergence.py
 
+# Speed and bytes: ResNet-18, 2 workers, every configuration side by side at
+# unlimited, 1 Gbit/s and 200 Mbit/s (tc-capped network namespaces) ->
+# docs/benchmarks.md + .png; about 45 minutes on 2 cores, so not part of `make test`.
+BENCH_ARGS ?= -np 2 --models resnet18 --bandwidth unlimited,1gbit,200mbit \
+	--configs local,horovod,horovod-fp16,powersgd,powersgd-fp16,ddp-powersgd \
+	--warmup-steps 3 --steps 10
+bench: setup
+	mkdir -p build
+	$(PY) -m horovod_powersgd.bench $(BENCH_ARGS) --json build/benchmarks.json \
+		--plot docs/benchmarks.png --markdown docs/benchmarks.md
+
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache
