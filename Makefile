@@ -18,18 +18,22 @@ MPIRUN := mpirun --allow-run-as-root --oversubscribe -np $(NP) --bind-to none --
 # test (per-test limit in pyproject.toml), this cap ends the whole launcher.
 RUN_CAP ?= timeout --signal=KILL 1200
 
-.PHONY: setup test test-unit test-parallel test-mpi test-gloo demo bench lint convergence docker-check clean
+.PHONY: setup test test-unit test-parallel test-mpi test-gloo test-launch demo bench lint convergence docker-check clean
 
 setup:
 	bash scripts/bootstrap.sh
 
 test: setup
-	$(MAKE) --no-print-directory lint test-unit test-mpi test-gloo
+	$(MAKE) --no-print-directory lint test-unit test-mpi test-gloo test-launch
 
 test-unit:
 	$(PY) -m pytest tests/unit
 
 test-parallel: test-mpi test-gloo
+
+# Tests that start whole jobs themselves: killed workers, elastic, restarts.
+test-launch:
+	$(RUN_CAP) $(PY) -m pytest tests/launch -p no:cacheprovider
 
 test-mpi:
 	$(RUN_CAP) $(MPIRUN) $(PY) -m pytest tests/parallel -p no:cacheprovider

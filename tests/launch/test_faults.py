@@ -1,0 +1,75 @@
+"""A killed worker, and restarts with another number of workers."""
+
+import json
+
+import pytest
+from conftest import launch
+
+JOB = "tests/launch/train_job.py"
+
+
+def mpirun(python, np, *args):
+    return [
+        "mpirun",
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        str(np),
+        "--bind-to",
+        "none",
+        python,
+        JOB,
+        *args,
+    ]
+
+
+def gloo(horovodrun, python, np, *args):
+    return [horovodrun, "-np", str(np), "-H", f"localhost:{np}", "--gloo", python, JOB, *args]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("launcher", ["mpirun", "horovodrun-gloo"])
+def test_killed_worker_stops_the_job_quickly_with_an_error(launcher, python, horovodrun):
+    args = ("--steps", "100000", "--kill-rank", "1", "--kill-step", "5")
+    cmd = mpirun(python, 2, *args) if launcher == "mpirun" else gloo(horovodrun, python, 2, *args)
+    rc, out, seconds = launch(cmd, timeout=180)
+    assert rc != 0, out[-2000:]
+    assert seconds < 60 + 30, f"took {seconds:.0f} s"  # 60 s budget + process start-up here
+    # the launcher names the process that died
+    assert "signal 9" in out or "Killed" in out or "exit code" in out.lower() or "137" in out, out[
+        -2000:
+    ]
+
+
+def last_json(out):
+    """The JSON line rank 0 prints last (launchers may prefix it)."""
+    line = [line for line in out.splitlines() if "{" in line][-1]
+    return json.loads(line[line.index("{") :])
+
+
+@pytest.mark.timeout(800)
+def test_resume_with_same_workers_is_exact_and_other_workers_resets_residuals(tmp_path, python):
+    ckpt = str(tmp_path / "ckpt.pt")
+    rc, out, _ = launch(mpirun(python, 2, "--steps", "12"), timeout=180)
+    assert rc == 0, out[-2000:]
+    uninterrupted = last_json(out)
+
+    rc, out, _ = launch(mpirun(python, 2, "--steps", "6", "--save", ckpt), timeout=180)
+    assert rc == 0, out[-2000:]
+    rc, out, _ = launch(
+        mpirun(python, 2, "--steps", "6", "--first-step", "6", "--load", ckpt), timeout=180
+    )
+    assert rc == 0, out[-2000:]
+    resumed = last_json(out)
+    assert resumed["params"] == uninterrupted["params"]
+    assert resumed["powersgd_step"] == 12
+
+    # Three workers resume the two-worker checkpoint: residuals start from zero
+    # (with a warning), everything else continues.
+    rc, out, _ = launch(mpirun(python, 3, "--steps", "0", "--load", ckpt), timeout=180)
+    assert rc == 0, out[-2000:]
+    resized = last_json(out)
+    assert "error buffers reset" in out
+    assert resized["size"] == 3
+    assert resized["error_norm"] == 0.0
+    assert resized["powersgd_step"] == 6
