@@ -18,7 +18,7 @@ MPIRUN := mpirun --allow-run-as-root --oversubscribe -np $(NP) --bind-to none --
 # test (per-test limit in pyproject.toml), this cap ends the whole launcher.
 RUN_CAP ?= timeout --signal=KILL 1200
 
-.PHONY: setup test test-unit test-parallel test-mpi test-gloo test-launch demo bench lint convergence docker-check clean
+.PHONY: setup test test-unit test-parallel test-mpi test-gloo test-launch demo bench lint convergence docker-check long-run clean
 
 setup:
 	bash scripts/bootstrap.sh
@@ -73,6 +73,11 @@ bench: setup
 	mkdir -p build
 	$(PY) -m horovod_powersgd.bench $(BENCH_ARGS) --json build/benchmarks.json \
 		--plot docs/benchmarks.png --markdown docs/benchmarks.md
+
+# 2000 steps under mpirun: RSS over time and NaN/Inf checks -> docs/long_run.md
+# (a few minutes on 2 cores; not part of `make test`).
+long-run: setup
+	$(RUN_CAP) $(MPIRUN) $(PY) scripts/long_run.py --steps 2000
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache
