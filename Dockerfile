@@ -58,12 +58,13 @@ RUN apt-get update \
       "openmpi-bin=${OPENMPI_VERSION}" "libopenmpi-dev=${OPENMPI_VERSION}" \
       "openssh-client=${OPENSSH_VERSION}" "openssh-server=${OPENSSH_VERSION}" \
  && rm -f /etc/ssh/ssh_host_* \
- && rm -rf /var/lib/apt/lists/*
+ && apt-get clean && rm -rf /var/lib/apt/lists/*
 
 # Dependency layer: only what scripts/bootstrap.sh reads (packaging metadata and
 # the version line in the package's __init__.py), so editing code does not
 # rebuild torch and Horovod. The cache mount keeps pip's cache and the bootstrap's
-# Horovod wheel cache between builds, out of the image.
+# Horovod wheel cache between builds, out of the image. The compiler toolchain
+# stays in the image: `make` targets re-run the bootstrap, which checks for it.
 COPY setup.py pyproject.toml README.md ./
 COPY scripts/ scripts/
 COPY horovod_powersgd/__init__.py horovod_powersgd/
@@ -71,7 +72,7 @@ RUN --mount=type=cache,target=/root/.cache \
     if [[ -n "${TORCH_INDEX_URL}" ]]; then export PIP_EXTRA_INDEX_URL="${TORCH_INDEX_URL}"; fi \
  && TORCH_VERSION="${TORCH_VERSION}" HOROVOD_VERSION="${HOROVOD_VERSION}" EXTRAS="${EXTRAS}" \
       bash scripts/bootstrap.sh \
- && rm -rf /var/lib/apt/lists/*
+ && apt-get clean && rm -rf /var/lib/apt/lists/*
 
 COPY . .
 
