@@ -12,8 +12,10 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export PYTHONUNBUFFERED := 1
 # Oversubscribing 2 cores with 2 ranks x N threads makes everything crawl.
 export OMP_NUM_THREADS ?= 1
+# Waiting ranks yield the core instead of busy-polling it (2 cores, 2+ ranks).
 MPIRUN := mpirun --allow-run-as-root --oversubscribe -np $(NP) --bind-to none --map-by slot \
-	--mca btl self,tcp,vader -x OMP_NUM_THREADS -x PYTHONUNBUFFERED -x PATH
+	--mca btl self,tcp,vader --mca mpi_yield_when_idle 1 \
+	-x OMP_NUM_THREADS -x PYTHONUNBUFFERED -x PATH
 # A hung collective must fail the run, never hang CI: pytest-timeout fails a
 # test (per-test limit in pyproject.toml), this cap ends the whole launcher.
 RUN_CAP ?= timeout --signal=KILL 1200

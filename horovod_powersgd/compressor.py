@@ -310,30 +310,44 @@ class PowerSGDCompressor:
             g.matrices.baddbmm_(g.p, g.q_local.transpose(1, 2), alpha=-1)
             g.matrices.masked_fill_(~g.finite, 0)
 
-    def decompress(self, q_avgs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def decompress(
+        self, q_avgs: list[torch.Tensor], out: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
         """Step 6a: the aggregated gradient P̂·Q_avgᵀ of every compressed parameter.
 
         Also stores Q_avg as next step's Q memory (where it is finite).
 
+        Args:
+            q_avgs: the buffers returned by `project`, now averaged over workers.
+            out: optional name -> tensor (e.g. the parameters' `.grad`) to write
+                the gradients into, saving an allocation per step.
+
         Returns:
-            name -> gradient, shaped like the parameter (freshly allocated).
+            name -> gradient, shaped like the parameter.
         """
         grads: dict[str, torch.Tensor] = {}
         for bucket, q_avg in zip(self.buckets.values(), q_avgs):
             q_off = 0
             for g in bucket.groups.values():
                 size = g.count * g.m * g.rank
-                q = q_avg[q_off : q_off + size].view(g.count, g.m, g.rank)
+                q = q_avg[q_off : q_off + size].view(g.count, g.m, g.rank).to(bucket.dtype)
                 q_off += size
-                keep = g.finite & torch.isfinite(q).all(dim=2, keepdim=True).all(
-                    dim=1, keepdim=True
-                )
-                torch.where(keep, q.to(bucket.dtype), g.q_memory, out=g.q_memory)
+                finite_q = torch.isfinite(q).all(dim=2, keepdim=True).all(dim=1, keepdim=True)
+                torch.where(g.finite & finite_q, q, g.q_memory, out=g.q_memory)
                 # The gradient uses the Q that was sent, finite or not: a
                 # non-finite gradient must reach the optimizer (GradScaler skips it).
-                out = torch.bmm(g.p, q.to(bucket.dtype).transpose(1, 2))
                 for i, name in enumerate(g.names):
-                    grads[name] = out[i].view(self._shapes[name])
+                    target = None if out is None else out[name]
+                    if (
+                        target is not None
+                        and target.is_contiguous()
+                        and target.dtype == bucket.dtype
+                    ):
+                        torch.matmul(g.p[i], q[i].T, out=target.view(g.n, g.m))
+                    else:
+                        grad = (g.p[i] @ q[i].T).view(self._shapes[name])
+                        target = grad if target is None else target.copy_(grad)
+                    grads[name] = target
         return grads
 
     # --- checkpoints --------------------------------------------------------------

@@ -267,9 +267,10 @@ class _DistributedOptimizer:
             )
             self.compressor.update_error()  # step 6b, overlapping the Q collective
             q_avgs = hvd.synchronize(round2)
-            grads = self.compressor.decompress(list(q_avgs))  # step 6a
-            for p in self._compressed:
-                p.grad.copy_(grads[self._names[p]])
+            # step 6a, written straight into the parameters' gradients
+            self.compressor.decompress(
+                list(q_avgs), out={self._names[p]: p.grad for p in self._compressed}
+            )
         elif self._compressing:
             kind = "compressed"  # nothing passed the rate test: P and Q are empty
         elements, sent, sent_bytes = self._per_step[kind]
