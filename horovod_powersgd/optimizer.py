@@ -13,6 +13,7 @@ import itertools
 import os
 import pickle
 import warnings
+import weakref
 from contextlib import contextmanager
 
 import horovod.torch as hvd
@@ -109,8 +110,18 @@ class _DistributedOptimizer:
         }
         self._stats = {"steps": 0, "elements_uncompressed": 0, "elements_sent": 0, "bytes_sent": 0}
 
+        # The hooks hold the optimizer weakly: once it is gone (say, replaced by
+        # a new one on the same model) its hooks do nothing instead of counting
+        # backward passes for a step that will never come.
+        this = weakref.ref(self)
+
+        def hook(p):
+            optimizer = this()
+            if optimizer is not None:
+                optimizer._hook(p)
+
         for p in self._params:
-            p.register_post_accumulate_grad_hook(self._hook)
+            p.register_post_accumulate_grad_hook(hook)
 
     # --- construction-time checks ------------------------------------------------------
     def _check_same_model_on_every_rank(self):

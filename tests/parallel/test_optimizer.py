@@ -276,6 +276,18 @@ def test_zero_grad_with_pending_work_raises_and_step_after_synchronize_warns():
         opt.step()
 
 
+def test_a_new_optimizer_can_replace_an_old_one_on_the_same_model():
+    model = make_model()
+    opt = powersgd(model, rank=2)
+    train(model, opt, steps=2)
+    del opt  # e.g. rebuilt with other settings: the old hooks must not interfere
+    opt = powersgd(model, rank=4)
+    train(model, opt, steps=2)
+    assert opt.compression_stats()["steps"] == 2
+    for n, p in model.named_parameters():
+        assert_same_on_every_rank(p, n)
+
+
 def test_bfloat16_model_trains():
     model = make_model(dtype=torch.bfloat16)
     opt = powersgd(model, rank=2)
