@@ -71,7 +71,13 @@ def _setup_ddp(args, model):
     from torch.nn.parallel import DistributedDataParallel
 
     dist.init_process_group("gloo")
-    ddp = DistributedDataParallel(model)
+    # powerSGD_hook on Gloo with several buckets can fail with "Received data size
+    # doesn't match expected size": the P/Q all-reduces of different buckets are
+    # issued from future callbacks, whose order can differ across ranks. One
+    # bucket (as one fused round in horovod_powersgd) keeps them in order.
+    one_bucket_mb = 4 * sum(p.numel() for p in model.parameters()) / 2**20 + 1
+    bucket_cap_mb = one_bucket_mb if args.config == "ddp-powersgd" else None
+    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if args.config == "ddp-powersgd":
