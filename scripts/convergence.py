@@ -190,8 +190,7 @@ def write_plots(runs, out_dir):
             title=f"{example}: {label} vs bytes sent",
             xscale="log",
         )
-        if example == "fashion_mnist":
-            by_epoch.xaxis.get_major_locator().set_params(integer=True)
+        by_epoch.xaxis.get_major_locator().set_params(integer=True)
         for ax in (by_epoch, by_bytes):
             ax.grid(alpha=0.3)
             ax.legend()
