@@ -308,7 +308,11 @@ class PowerSGDCompressor:
             return
         for g in self._groups():
             g.matrices.baddbmm_(g.p, g.q_local.transpose(1, 2), alpha=-1)
-            g.matrices.masked_fill_(~g.finite, 0)
+            # On the CPU a host-side look at the flags costs nothing and saves a
+            # pass over every error buffer; on an accelerator it would stall
+            # the stream, so there the fill runs unconditionally.
+            if g.matrices.device.type != "cpu" or not bool(g.finite.all()):
+                g.matrices.masked_fill_(~g.finite, 0)
 
     def decompress(
         self, q_avgs: list[torch.Tensor], out: dict[str, torch.Tensor] | None = None
