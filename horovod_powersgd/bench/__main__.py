@@ -363,7 +363,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, help="write the records as a JSON list here")
     p.add_argument("--plot", type=Path, help="write a PNG of median step times here")
     p.add_argument("--markdown", type=Path, help="write a report (tables, cost model) here")
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        help="run nothing: re-render table, plot and report from a --json file",
+    )
     p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--environment", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     return p
 
@@ -405,6 +411,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fusion_threshold_mb": args.fusion_threshold_mb,
         "timeout_s": args.timeout,
     }
+    if args.from_json:
+        records = [Record(**r) for r in json.loads(args.from_json.read_text())]
+        print(report.format_table(records))
+        if args.plot:
+            report.plot(records, args.plot)
+        if args.markdown:
+            report.write_markdown(
+                records,
+                args.markdown,
+                command=args.command_line or "(re-rendered from saved records)",
+                settings=settings,
+                plot=args.plot,
+                environment=args.environment or "",
+            )
+        return 0
     load_before = os.getloadavg()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     records: list[Record] = []
