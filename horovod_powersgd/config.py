@@ -50,7 +50,8 @@ class PowerSGDConfig:
     warm_start: bool = True
     # Seed of the random Q; the same on every rank, so P = M·Q can be summed.
     seed: int = 0
-    # dtype P and Q travel in (None: the compute dtype); orthogonalisation stays float32 or wider.
+    # dtype compressed steps send P, Q and uncompressed gradients in (None: their own);
+    # orthogonalisation stays float32 or wider.
     comm_dtype: torch.dtype | None = None
     # --- Horovod semantics ------------------------------------------------------
     # Local backward passes accumulated before one communication step.

@@ -35,8 +35,10 @@ _STATE_KEY = "powersgd"
 _REDUCIBLE = (torch.float16, torch.float32, torch.float64)
 
 
-def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a gradient of `dtype` travels in."""
+def _wire_dtype(dtype: torch.dtype, comm_dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype a gradient of `dtype` travels in (`comm_dtype` where one is set)."""
+    if comm_dtype is not None:
+        return comm_dtype
     return dtype if dtype in _REDUCIBLE else torch.float32
 
 
@@ -96,10 +98,12 @@ class _DistributedOptimizer:
 
         # --- statistics ------------------------------------------------------------------
         numel = sum(p.numel() for p in self._params)
-        raw_bytes = sum(p.numel() * _wire_size(p) for p in self._params)
+        raw_bytes = sum(p.numel() * _wire_size(p.dtype) for p in self._params)
         p_elems, q_elems = self.compressor.elements_per_step()
         plain_elems = sum(p.numel() for p in self._uncompressed)
-        plain_bytes = sum(p.numel() * _wire_size(p) for p in self._uncompressed)
+        plain_bytes = sum(
+            p.numel() * _wire_size(p.dtype, config.comm_dtype) for p in self._uncompressed
+        )
         self._per_step = {
             "warmup": (numel, numel, raw_bytes),
             "compressed": (
@@ -226,11 +230,14 @@ class _DistributedOptimizer:
             if p.grad is None:
                 # Unused on this rank; another rank may have a gradient, so send zeros.
                 p.grad = torch.zeros_like(p)
+        # Warm-up steps are plain Horovod; compressed steps send everything in
+        # comm_dtype, the uncompressed gradients included.
         plain = self._uncompressed if self._compressing else self._params
+        comm_dtype = self.config.comm_dtype if self._compressing else None
         self._casts = [
-            (p.grad, p.grad.to(_wire_dtype(p.grad.dtype)))
+            (p.grad, p.grad.to(_wire_dtype(p.grad.dtype, comm_dtype)))
             for p in plain
-            if p.grad.dtype not in _REDUCIBLE
+            if p.grad.dtype != _wire_dtype(p.grad.dtype, comm_dtype)
         ]
         cast = {id(grad): copy for grad, copy in self._casts}
         plain_tensors = [cast.get(id(p.grad), p.grad) for p in plain]
@@ -467,9 +474,10 @@ def DistributedOptimizer(
         paper), 4-32 for transformers and LSTMs.
       * start_iter: plain all-reduce for this many steps; about the end of the
         learning-rate warm-up.
-      * comm_dtype: torch.float16 halves P/Q bytes (Horovod 0.28 cannot all-reduce
-        bfloat16, so that is refused);
-        orthogonalisation still runs in float32.
+      * comm_dtype: torch.float16 halves the bytes of compressed steps (P, Q and
+        the uncompressed gradients all travel in it; warm-up steps stay plain);
+        orthogonalisation still runs in float32. Horovod 0.28 cannot all-reduce
+        bfloat16, so that is refused.
     Memory added per compressed n x m parameter: n·m (error buffer) plus
     about 3·r·(n+m) (P, Q, Q memory), in float32 for 16-bit parameters.
 
@@ -484,7 +492,8 @@ def DistributedOptimizer(
         error_feedback: keep what compression dropped and add it back next step.
         warm_start: reuse last step's Q instead of a fresh random one.
         seed: seed of the random Q (must be, and is checked to be, equal on all ranks).
-        comm_dtype: dtype P and Q travel in (None: float32 / the parameters' dtype).
+        comm_dtype: dtype compressed steps send P, Q and the uncompressed gradients
+            in (None: the compute dtype for P/Q, each gradient's own for the rest).
         backward_passes_per_step: local backward passes (summed in p.grad) per step.
         op: hvd.Average or hvd.Sum (hvd.Adasum is not linear: ValueError).
         gradient_predivide_factor: with Average, divide by this before the sum
@@ -564,8 +573,8 @@ _elastic_state.set_handler_registry(
 )
 
 
-def _wire_size(p: torch.Tensor) -> int:
-    return torch.empty(0, dtype=_wire_dtype(p.dtype)).element_size()
+def _wire_size(dtype: torch.dtype, comm_dtype: torch.dtype | None = None) -> int:
+    return torch.empty(0, dtype=_wire_dtype(dtype, comm_dtype)).element_size()
 
 
 def _check_named_parameters(optimizer, named_parameters):
