@@ -1,8 +1,7 @@
 """DistributedOptimizer under real Horovod collectives; every rank runs every test."""
 
-import gzip
 import os
-import struct
+import sys
 import tempfile
 import warnings
 
@@ -384,14 +383,8 @@ def test_process_set_without_this_rank_raises():
 
 # --- convergence smoke test on real data -------------------------------------------------------
 FASHION = "/usr/share/datasets/fashion-mnist"
-
-
-def read_idx(path):
-    with gzip.open(path, "rb") as f:
-        data = f.read()
-    dims = data[3]
-    shape = struct.unpack(f">{dims}I", data[4 : 4 + 4 * dims])
-    return torch.frombuffer(bytearray(data[4 + 4 * dims :]), dtype=torch.uint8).reshape(shape)
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+from fashion_mnist import read_idx  # noqa: E402  (the example's own IDX reader)
 
 
 def test_rank2_converges_like_plain_horovod_on_fashion_mnist():
