@@ -90,7 +90,7 @@ class _DistributedOptimizer:
         self._delay = {p: config.backward_passes_per_step for p in self._params}
         self._ready: set = set()  # parameters whose gradient is final for this step
         self._round1 = None  # handle of the in-flight P (+ uncompressed) collective
-        self._casts = []  # (gradient, float32 copy) for dtypes Horovod cannot reduce
+        self._casts = []  # (gradient, copy in the dtype it travels in) where the two differ
         self._step_begun = False
         self._synchronized = False
         self._should_synchronize = True
