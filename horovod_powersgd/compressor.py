@@ -113,8 +113,6 @@ class _Group:
     p: torch.Tensor | None = None  # (k, n, r) in the compute dtype
     q_local: torch.Tensor | None = None  # (k, m, r): this worker's Q_w = Mᵀ·P̂
     q_memory: torch.Tensor | None = None  # (k, m, r): warm start, identical on every rank
-    p_comm: torch.Tensor | None = None  # views of the buffers that travel
-    q_comm: torch.Tensor | None = None
     finite: torch.Tensor | None = None  # (k, 1, 1) bool: summed P finite this step
 
     @property
@@ -151,10 +149,8 @@ class _Bucket:
         for g, p_size, q_size in zip(self.groups.values(), p_sizes, q_sizes):
             g.matrices = torch.zeros(g.count, g.n, g.m, dtype=self.dtype, device=self.device)
             g.p = self.p[p_off : p_off + p_size].view(g.count, g.n, g.rank)
-            g.p_comm = self.p_comm[p_off : p_off + p_size].view(g.count, g.n, g.rank)
             g.q_local = self.q_local[q_off : q_off + q_size].view(g.count, g.m, g.rank)
             g.q_memory = self.q_memory[q_off : q_off + q_size].view(g.count, g.m, g.rank)
-            g.q_comm = self.q_comm[q_off : q_off + q_size].view(g.count, g.m, g.rank)
             p_off += p_size
             q_off += q_size
         self.q_memory.normal_(generator=self.generator)
