@@ -108,16 +108,34 @@ class _Group:
     m: int
     rank: int
     names: list[str] = field(default_factory=list)
-    # Filled in by _Bucket.allocate():
+    # Filled in by _Bucket.allocate(). P and Q are stored transposed, (k, r, n)
+    # and (k, r, m): then both power-iteration halves read M row by row
+    # (Pᵀ = Qᵀ·Mᵀ and Qᵀ = P̂ᵀ·M), which on the CPU is 2-3x faster than
+    # Mᵀ·P̂ with its strided reads of M.
     matrices: torch.Tensor | None = None  # (k, n, m): M during a step, error buffer between steps
-    p: torch.Tensor | None = None  # (k, n, r) in the compute dtype
-    q_local: torch.Tensor | None = None  # (k, m, r): this worker's Q_w = Mᵀ·P̂
-    q_memory: torch.Tensor | None = None  # (k, m, r): warm start, identical on every rank
+    pt: torch.Tensor | None = None  # (k, r, n) in the compute dtype
+    qt_local: torch.Tensor | None = None  # (k, r, m): this worker's Q_wᵀ = P̂ᵀ·M
+    qt_memory: torch.Tensor | None = None  # (k, r, m): warm start, identical on every rank
     finite: torch.Tensor | None = None  # (k, 1, 1) bool: summed P finite this step
 
     @property
     def count(self) -> int:
         return len(self.names)
+
+    @property
+    def p(self) -> torch.Tensor:
+        """(k, n, r) view of P."""
+        return self.pt.transpose(1, 2)
+
+    @property
+    def q_local(self) -> torch.Tensor:
+        """(k, m, r) view of this worker's Q_w."""
+        return self.qt_local.transpose(1, 2)
+
+    @property
+    def q_memory(self) -> torch.Tensor:
+        """(k, m, r) view of the Q memory."""
+        return self.qt_memory.transpose(1, 2)
 
 
 class _Bucket:
@@ -148,9 +166,9 @@ class _Bucket:
         p_off = q_off = 0
         for g, p_size, q_size in zip(self.groups.values(), p_sizes, q_sizes):
             g.matrices = torch.zeros(g.count, g.n, g.m, dtype=self.dtype, device=self.device)
-            g.p = self.p[p_off : p_off + p_size].view(g.count, g.n, g.rank)
-            g.q_local = self.q_local[q_off : q_off + q_size].view(g.count, g.m, g.rank)
-            g.q_memory = self.q_memory[q_off : q_off + q_size].view(g.count, g.m, g.rank)
+            g.pt = self.p[p_off : p_off + p_size].view(g.count, g.rank, g.n)
+            g.qt_local = self.q_local[q_off : q_off + q_size].view(g.count, g.rank, g.m)
+            g.qt_memory = self.q_memory[q_off : q_off + q_size].view(g.count, g.rank, g.m)
             p_off += p_size
             q_off += q_size
         self.q_memory.normal_(generator=self.generator)
@@ -247,8 +265,8 @@ class PowerSGDCompressor:
                 bucket.q_memory.copy_(bucket.q_local)
                 continue
             for g in bucket.groups.values():
-                dead = torch.linalg.vector_norm(g.q_memory, dim=1, keepdim=True) == 0
-                torch.where(dead, g.q_local, g.q_memory, out=g.q_memory)
+                dead = torch.linalg.vector_norm(g.qt_memory, dim=2, keepdim=True) == 0
+                torch.where(dead, g.qt_local, g.qt_memory, out=g.qt_memory)
 
     def compress(self, name: str, grad: torch.Tensor | None) -> None:
         """Steps 1-2 for one parameter: M = grad (+ error), P = M·Q.
@@ -265,7 +283,7 @@ class PowerSGDCompressor:
                 matrix.copy_(grad)
         elif not self.config.error_feedback:
             matrix.zero_()
-        torch.matmul(matrix, group.q_memory[i], out=group.p[i])
+        torch.mm(group.qt_memory[i], matrix.T, out=group.pt[i])  # Pᵀ = Qᵀ·Mᵀ
 
     def p_buffers(self) -> list[torch.Tensor]:
         """Step 3: the flat P buffers (one per bucket) for the caller to sum in place."""
@@ -290,7 +308,7 @@ class PowerSGDCompressor:
             for g in bucket.groups.values():
                 g.finite = torch.isfinite(g.p).all(dim=2, keepdim=True).all(dim=1, keepdim=True)
                 orthogonalize_(g.p)
-                torch.bmm(g.matrices.transpose(1, 2), g.p, out=g.q_local)
+                torch.bmm(g.pt, g.matrices, out=g.qt_local)  # Q_wᵀ = P̂ᵀ·M
             bucket.q_comm.copy_(bucket.q_local)
         return [bucket.q_comm for bucket in self.buckets.values()]
 
@@ -303,7 +321,7 @@ class PowerSGDCompressor:
         if not self.config.error_feedback:
             return
         for g in self._groups():
-            g.matrices.baddbmm_(g.p, g.q_local.transpose(1, 2), alpha=-1)
+            g.matrices.baddbmm_(g.p, g.qt_local, alpha=-1)
             # On the CPU a host-side look at the flags costs nothing and saves a
             # pass over every error buffer; on an accelerator it would stall
             # the stream, so there the fill runs unconditionally.
@@ -330,10 +348,10 @@ class PowerSGDCompressor:
             q_off = 0
             for g in bucket.groups.values():
                 size = g.count * g.m * g.rank
-                q = q_avg[q_off : q_off + size].view(g.count, g.m, g.rank).to(bucket.dtype)
+                qt = q_avg[q_off : q_off + size].view(g.count, g.rank, g.m).to(bucket.dtype)
                 q_off += size
-                finite_q = torch.isfinite(q).all(dim=2, keepdim=True).all(dim=1, keepdim=True)
-                torch.where(g.finite & finite_q, q, g.q_memory, out=g.q_memory)
+                finite_q = torch.isfinite(qt).all(dim=2, keepdim=True).all(dim=1, keepdim=True)
+                torch.where(g.finite & finite_q, qt, g.qt_memory, out=g.qt_memory)
                 # The gradient uses the Q that was sent, finite or not: a
                 # non-finite gradient must reach the optimizer (GradScaler skips it).
                 for i, name in enumerate(g.names):
@@ -343,9 +361,9 @@ class PowerSGDCompressor:
                         and target.is_contiguous()
                         and target.dtype == bucket.dtype
                     ):
-                        torch.matmul(g.p[i], q[i].T, out=target.view(g.n, g.m))
+                        torch.mm(g.p[i], qt[i], out=target.view(g.n, g.m))
                     else:
-                        grad = (g.p[i] @ q[i].T).view(self._shapes[name])
+                        grad = (g.p[i] @ qt[i]).view(self._shapes[name])
                         target = grad if target is None else target.copy_(grad)
                     grads[name] = target
         return grads

@@ -398,13 +398,17 @@ def test_rank2_converges_like_plain_horovod_on_fashion_mnist():
     def run(rank):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
-        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        # A moderate step size: at lr 0.1 a single 150-step trajectory's test
+        # loss varied by +-20 % with the seed for plain and PowerSGD alike, too
+        # noisy to compare the two; at 0.02 rank 2 stayed within 1-3 % of plain
+        # over 4 data seeds x 3 PowerSGD seeds.
+        sgd = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
         if rank:
             opt = hps.DistributedOptimizer(sgd, model.named_parameters(), rank=rank)
         else:
             opt = hvd.DistributedOptimizer(sgd, model.named_parameters())
         g = torch.Generator().manual_seed(hvd.rank())
-        for _ in range(150):
+        for _ in range(200):
             idx = torch.randint(0, len(x), (32,), generator=g)
             opt.zero_grad()
             F.cross_entropy(model(x[idx]), y[idx]).backward()
