@@ -199,10 +199,8 @@ def launch_commands(
     return procs
 
 
-def run_config(
-    config: str, rank: int | None, model: str, settings: dict, bandwidth: str
-) -> Record | None:
-    """Run one configuration to completion; None (and a message on stderr) if it failed."""
+def run_config(config: str, rank: int | None, model: str, settings: dict, bandwidth: str):
+    """Run one configuration once; its per-worker reports, or None if it failed."""
     with tempfile.TemporaryDirectory(prefix="hps-bench-") as tmp:
         out_dir = Path(tmp)
         started = [
@@ -233,28 +231,61 @@ def run_config(
         end="",
         file=sys.stderr,
     )
-    plain_bytes = 4.0 * max(r["elements_uncompressed_per_step"] for r in reports)
-    if config == "local":
-        plain_bytes = 0.0
+    return reports
+
+
+def pool_runs(
+    config: str, rank: int | None, model: str, np_: int, bandwidth: str, runs: list[list[dict]]
+) -> Record:
+    """One Record from the worker reports of one or more runs of a configuration.
+
+    Worker w's step times of every run are concatenated, so a step is still
+    timed as the slowest worker of that step, and the median pools all runs.
+    """
+    workers = range(len(runs[0]))
+    last = runs[-1]
+    plain_bytes = 4.0 * max(r["elements_uncompressed_per_step"] for r in last)
     return make_record(
         config=config,
         model=model,
         rank=rank,
-        np=settings["np"],
+        np=np_,
         bandwidth=bandwidth,
-        step_times_s=[r["step_times_s"] for r in reports],
-        elements_per_step=max(r["elements_per_step"] for r in reports),
-        bytes_per_step=max(r["bytes_per_step"] for r in reports),
-        plain_bytes_per_step=plain_bytes,
-        peak_rss_mb=[r["peak_rss_mb"] for r in reports],
+        step_times_s=[[t for run in runs for t in run[w]["step_times_s"]] for w in workers],
+        elements_per_step=max(r["elements_per_step"] for r in last),
+        bytes_per_step=max(r["bytes_per_step"] for r in last),
+        plain_bytes_per_step=0.0 if config == "local" else plain_bytes,
+        peak_rss_mb=[r["peak_rss_mb"] for run in runs for r in run],
     )
+
+
+def run_order(plan: Sequence, rounds: int) -> list:
+    """The order of runs over ``rounds`` rounds: forward, backward, forward, ...
+
+    Reversing every other round puts each configuration's runs symmetrically
+    around the middle of the session, so a slow drift of the machine's speed
+    shifts all configurations alike instead of favouring the first ones.
+
+    Example:
+        >>> run_order(["a", "b", "c"], 3)
+        ['a', 'b', 'c', 'c', 'b', 'a', 'a', 'b', 'c']
+    """
+    order = []
+    for i in range(rounds):
+        order += list(plan) if i % 2 == 0 else list(reversed(plan))
+    return order
 
 
 def run_suite(settings: dict, bandwidth: str) -> list[Record]:
     """Every model x configuration at one bandwidth, in the current network namespace."""
     records = []
+    rounds = settings.get("repeat", 1)
     for model in settings["models"]:
-        for config, rank in settings["plan"]:
+        runs: dict[tuple, list] = {tuple(entry): [] for entry in settings["plan"]}
+        failed = set()
+        for config, rank in run_order([tuple(e) for e in settings["plan"]], rounds):
+            if (config, rank) in failed:
+                continue
             label = f"{config}" + (f" r{rank}" if rank else "")
             print(
                 f"[bench] {bandwidth:>9} {model:8} {label:18} ...",
@@ -263,11 +294,18 @@ def run_suite(settings: dict, bandwidth: str) -> list[Record]:
                 flush=True,
             )
             t0 = time.monotonic()
-            record = run_config(config, rank, model, settings, bandwidth)
-            status = f"{record.median_step_ms:8.0f} ms/step" if record else "failed"
+            reports = run_config(config, rank, model, settings, bandwidth)
+            if reports is None:
+                failed.add((config, rank))
+                status = "failed"
+            else:
+                runs[(config, rank)].append(reports)
+                one = pool_runs(config, rank, model, settings["np"], bandwidth, [reports])
+                status = f"{one.median_step_ms:8.0f} ms/step"
             print(f" {status} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
-            if record:
-                records.append(record)
+        for (config, rank), done in runs.items():
+            if (config, rank) not in failed:
+                records.append(pool_runs(config, rank, model, settings["np"], bandwidth, done))
     return records
 
 
@@ -329,7 +367,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--batch-size", type=int, default=32, help="per worker")
     p.add_argument("--warmup-steps", type=int, default=5, help="untimed steps (> start-iter)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of every configuration, interleaved (forward, backward, ...); "
+        "the statistics pool the steps of all runs",
+    )
     p.add_argument(
         "--start-iter",
         type=int,
@@ -389,8 +434,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
         if args.warmup_steps <= args.start_iter:
             raise ValueError("--warmup-steps must exceed --start-iter so timed steps compress")
-        if args.steps < 1 or args.np < 1:
-            raise ValueError("--steps and -np must be >= 1")
+        if args.steps < 1 or args.np < 1 or args.repeat < 1:
+            raise ValueError("--steps, --repeat and -np must be >= 1")
         if any(b != "unlimited" for b in bandwidths):
             check_namespace_support()
     except (ValueError, BandwidthCapError) as err:
@@ -403,6 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "batch_size": args.batch_size,
         "warmup_steps": args.warmup_steps,
         "steps": args.steps,
+        "repeat": args.repeat,
         "start_iter": args.start_iter,
         "min_compression_rate": args.min_compression_rate,
         "controller": args.controller,

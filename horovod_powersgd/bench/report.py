@@ -294,7 +294,9 @@ def write_markdown(
         out += [environment, ""]
     out += [
         f"Settings: {settings['np']} workers, batch {settings['batch_size']} per worker, "
-        f"{settings['warmup_steps']} warm-up + {settings['steps']} timed steps, "
+        f"{settings['warmup_steps']} warm-up + {settings['steps']} timed steps per run, "
+        f"{settings.get('repeat', 1)} run(s) of every configuration (interleaved, every other "
+        "round in reverse order; statistics over the steps of all runs), "
         f"{settings['threads']} torch thread(s) per worker, Horovod controller "
         f"{settings['controller']}, start_iter {settings['start_iter']}, min_compression_rate "
         f"{settings['min_compression_rate']}, HOROVOD_CYCLE_TIME "

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from horovod_powersgd.bench import costmodel, netcap, report
-from horovod_powersgd.bench.__main__ import launch_commands, parse_configs
+from horovod_powersgd.bench.__main__ import launch_commands, parse_configs, pool_runs, run_order
 from horovod_powersgd.bench.stats import (
     RECORD_KEYS,
     Record,
@@ -122,6 +122,44 @@ def test_record_statistics():
     assert r.compression_ratio == pytest.approx(100.0)  # plain bytes / bytes sent
     assert r.peak_rss_mb == 720.0  # the largest worker
     assert _record(bytes_per_step=0.0, plain_bytes_per_step=0.0).compression_ratio is None
+
+
+def test_repeated_runs_alternate_direction_so_drift_hits_every_config_alike():
+    order = run_order(["a", "b", "c"], 4)
+    assert order == ["a", "b", "c", "c", "b", "a", "a", "b", "c", "c", "b", "a"]
+    # Every configuration's mean position is the middle of the session.
+    positions = {c: [i for i, x in enumerate(order) if x == c] for c in "abc"}
+    assert {sum(p) / len(p) for p in positions.values()} == {(len(order) - 1) / 2}
+    assert run_order(["a", "b"], 1) == ["a", "b"]
+
+
+def _reports(times_per_worker, rss=700.0):
+    return [
+        {
+            "step_times_s": times,
+            "elements_uncompressed_per_step": 1000.0,
+            "elements_per_step": 10.0,
+            "bytes_per_step": 40.0,
+            "peak_rss_mb": rss + w,
+        }
+        for w, times in enumerate(times_per_worker)
+    ]
+
+
+def test_pooled_runs_time_each_step_by_its_slowest_worker_within_its_own_run():
+    fast = _reports([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    slow = _reports([[3.0, 1.0, 3.0], [1.0, 3.0, 1.0]], rss=900.0)
+    one = pool_runs("powersgd", 2, "resnet18", 2, "1gbit", [fast])
+    both = pool_runs("powersgd", 2, "resnet18", 2, "1gbit", [fast, slow])
+    assert one.median_step_ms == pytest.approx(1000.0)
+    # 3 steps of 1 s and 3 of 3 s: a worker's steps are never mixed across runs.
+    assert both.p10_step_ms == pytest.approx(1000.0)
+    assert both.p90_step_ms == pytest.approx(3000.0)
+    assert both.median_step_ms == pytest.approx(2000.0)
+    assert both.peak_rss_mb == 901.0
+    assert both.compression_ratio == pytest.approx(4000.0 / 40.0)
+    alone = [dict(r, elements_per_step=0.0, bytes_per_step=0.0) for r in fast]
+    assert pool_runs("local", None, "resnet18", 2, "1gbit", [alone]).compression_ratio is None
 
 
 # --- configurations and launch lines ---------------------------------------------------
