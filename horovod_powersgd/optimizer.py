@@ -12,6 +12,7 @@ import hashlib
 import itertools
 import os
 import pickle
+import time
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -33,6 +34,22 @@ _STATE_KEY = "powersgd"
 # among them: bfloat16 gradients travel as float32 copies, and comm_dtype
 # bfloat16 is refused up front.
 _REDUCIBLE = (torch.float16, torch.float32, torch.float64)
+
+
+# hvd.synchronize() waits by spinning on sched_yield, which keeps a core busy
+# for as long as the collective takes. Where ranks share cores with each other
+# or with Horovod's background threads (the other ranks' backward pass, the
+# negotiation that completes the collective), that core is taken from the very
+# work being waited for. Our waits poll and sleep instead; the added latency is
+# at most about one interval per round.
+_POLL_INTERVAL_S = 100e-6
+
+
+def _wait(handle):
+    """hvd.synchronize(handle), without keeping a core busy while it is pending."""
+    while not hvd.poll(handle):
+        time.sleep(_POLL_INTERVAL_S)
+    return hvd.synchronize(handle)
 
 
 def _wire_dtype(dtype: torch.dtype, comm_dtype: torch.dtype | None = None) -> torch.dtype:
@@ -266,7 +283,7 @@ class _DistributedOptimizer:
                 self._delay[p] = 0
                 self._gradient_ready(p)
         # The last ready gradient launched round 1, unless there is no gradient at all.
-        outputs = hvd.synchronize(self._round1) if self._round1 is not None else []
+        outputs = _wait(self._round1) if self._round1 is not None else []
         self._round1 = None
         for grad, copy in self._casts:
             grad.copy_(copy)
@@ -284,7 +301,7 @@ class _DistributedOptimizer:
                 **self._scale(),
             )
             self.compressor.update_error()  # step 6b, overlapping the Q collective
-            q_avgs = hvd.synchronize(round2)
+            q_avgs = _wait(round2)
             # step 6a, written straight into the parameters' gradients
             self.compressor.decompress(
                 list(q_avgs), out={self._names[p]: p.grad for p in self._compressed}
