@@ -56,8 +56,11 @@ docker-check:
 
 # Fashion-MNIST, 2 workers, PowerSGD rank 2, one epoch (minutes on 2 cores);
 # the last line gives test accuracy, bytes sent and the compression ratio.
+# mpi_yield_when_idle: 2 ranks share 2 cores with Horovod's background threads,
+# and OpenMPI's busy polling would take the cores from the training itself.
 demo: setup
 	$(RUN_CAP) $(VENV)/bin/horovodrun -np 2 -H localhost:2 \
+		--mpi-args="--mca mpi_yield_when_idle 1" \
 		$(PY) examples/fashion_mnist.py --powersgd-rank 2 --epochs 1
 
 # Plain Horovod vs PowerSGD ranks 1, 2, 4 on both examples -> docs/results/;
@@ -66,11 +69,12 @@ convergence: setup
 	$(PY) scripts/convergence.py
 
 # Speed and bytes: ResNet-18, 2 workers, every configuration side by side at
-# unlimited, 1 Gbit/s and 200 Mbit/s (tc-capped network namespaces) ->
-# docs/benchmarks.md + .png; about 45 minutes on 2 cores, so not part of `make test`.
+# unlimited, 1 Gbit/s and 200 Mbit/s (tc-capped network namespaces), three
+# interleaved runs of each -> docs/benchmarks.md + .png; about 40 minutes on
+# 2 cores, so not part of `make test`.
 BENCH_ARGS ?= -np 2 --models resnet18 --bandwidth unlimited,1gbit,200mbit \
 	--configs local,horovod,horovod-fp16,powersgd,powersgd-fp16,ddp-powersgd \
-	--warmup-steps 3 --steps 10
+	--warmup-steps 3 --steps 10 --repeat 3
 bench: setup
 	mkdir -p build
 	$(PY) -m horovod_powersgd.bench $(BENCH_ARGS) --json build/benchmarks.json \
