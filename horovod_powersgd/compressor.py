@@ -405,8 +405,7 @@ class PowerSGDCompressor:
                     f"({key}): missing {missing[:5]}, unexpected {extra[:5]}"
                 )
             for name, tensor in saved.items():
-                group, i = self._where[name]
-                expected = group.matrices[i] if key == "error_buffers" else group.q_memory[i]
+                expected = self._state_tensor(key, name)
                 if tuple(tensor.shape) != tuple(expected.shape):
                     raise ValueError(
                         f"PowerSGD checkpoint: {key}[{name!r}] has shape {tuple(tensor.shape)}, "
@@ -418,25 +417,27 @@ class PowerSGDCompressor:
                 f"this model needs {len(self.buckets)}"
             )
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict()` output; validates everything before changing anything."""
-        self.check_state_dict(state)
-        for key in ("error_buffers", "q_memory"):
+    def _state_tensor(self, key: str, name: str) -> torch.Tensor:
+        """The live tensor behind `state_dict()[key][name]`."""
+        group, i = self._where[name]
+        return group.matrices[i] if key == "error_buffers" else group.q_memory[i]
+
+    def _load(self, state: dict, tensor_keys) -> None:
+        """Validate `state` (its `tensor_keys` and RNG states), then copy it in."""
+        self.check_state_dict(state, tensor_keys)
+        for key in tensor_keys:
             for name, tensor in state[key].items():
-                group, i = self._where[name]
-                target = group.matrices[i] if key == "error_buffers" else group.q_memory[i]
-                target.copy_(tensor)
+                self._state_tensor(key, name).copy_(tensor)
         for bucket, rng in zip(self.buckets.values(), state["rng_states"]):
             bucket.generator.set_state(rng.cpu() if hasattr(rng, "cpu") else rng)
 
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()` output; validates everything before changing anything."""
+        self._load(state, ("error_buffers", "q_memory"))
+
     def load_shared_state(self, q_memory: dict, rng_states: list) -> None:
         """Set the Q memory and RNG states (the state equal on every rank)."""
-        self.check_state_dict({"q_memory": q_memory, "rng_states": rng_states}, ("q_memory",))
-        for name, tensor in q_memory.items():
-            group, i = self._where[name]
-            group.q_memory[i].copy_(tensor)
-        for bucket, rng in zip(self.buckets.values(), rng_states):
-            bucket.generator.set_state(rng)
+        self._load({"q_memory": q_memory, "rng_states": rng_states}, ("q_memory",))
 
     def reset_error(self) -> None:
         """Forget the residuals (e.g. after the set of workers changed)."""

@@ -251,11 +251,8 @@ class _DistributedOptimizer:
         # comm_dtype, the uncompressed gradients included.
         plain = self._uncompressed if self._compressing else self._params
         comm_dtype = self.config.comm_dtype if self._compressing else None
-        self._casts = [
-            (p.grad, p.grad.to(_wire_dtype(p.grad.dtype, comm_dtype)))
-            for p in plain
-            if p.grad.dtype != _wire_dtype(p.grad.dtype, comm_dtype)
-        ]
+        wire = [(p.grad, _wire_dtype(p.grad.dtype, comm_dtype)) for p in plain]
+        self._casts = [(grad, grad.to(dtype)) for grad, dtype in wire if grad.dtype != dtype]
         cast = {id(grad): copy for grad, copy in self._casts}
         plain_tensors = [cast.get(id(p.grad), p.grad) for p in plain]
         p_tensors = self.compressor.p_buffers() if self._compressing else []
@@ -425,15 +422,14 @@ class _DistributedOptimizer:
         self.compressor.load_state_dict(ours["compressor"])
         self.powersgd_step = ours["step"]
         self._stats = dict(ours["stats"])
-        self._synced_world_size = ours["world_size"]
-        if ours["world_size"] != self.process_set.size():
+        self._synced_world_size = self.process_set.size()
+        if ours["world_size"] != self._synced_world_size:
             warnings.warn(
                 f"checkpoint was saved with {ours['world_size']} workers, now "
-                f"{self.process_set.size()}: PowerSGD error buffers reset to zero",
+                f"{self._synced_world_size}: PowerSGD error buffers reset to zero",
                 stacklevel=2,
             )
             self.compressor.reset_error()
-            self._synced_world_size = self.process_set.size()
 
 
 class _PowerSGDStateHandler(_elastic_state.OptimizerStateHandler):

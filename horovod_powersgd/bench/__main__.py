@@ -350,6 +350,25 @@ def describe_environment(started: str, load_before, load_after) -> str:
     )
 
 
+def render(records, args, settings: dict, command: str, environment) -> None:
+    """Table on stdout, then the --plot and --markdown outputs that were asked for.
+
+    ``environment`` is called only when a report is written (it reads the load).
+    """
+    print(report.format_table(records))
+    if args.plot:
+        report.plot(records, args.plot)
+    if args.markdown:
+        report.write_markdown(
+            records,
+            args.markdown,
+            command=command,
+            settings=settings,
+            plot=args.plot,
+            environment=environment(),
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m horovod_powersgd.bench",
@@ -459,18 +478,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if args.from_json:
         records = [Record(**r) for r in json.loads(args.from_json.read_text())]
-        print(report.format_table(records))
-        if args.plot:
-            report.plot(records, args.plot)
-        if args.markdown:
-            report.write_markdown(
-                records,
-                args.markdown,
-                command=args.command_line or "(re-rendered from saved records)",
-                settings=settings,
-                plot=args.plot,
-                environment=args.environment or "",
-            )
+        command = args.command_line or "(re-rendered from saved records)"
+        render(records, args, settings, command, lambda: args.environment or "")
         return 0
     load_before = os.getloadavg()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -481,23 +490,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         except BandwidthCapError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-    print(report.format_table(records))
     shown = list(argv) if argv is not None else sys.argv[1:]
     command = args.command_line or " ".join(["python -m horovod_powersgd.bench", *shown])
     if args.json:
         args.json.write_text(json.dumps([r.as_dict() for r in records], indent=1) + "\n")
-    if args.plot:
-        report.plot(records, args.plot)
-    if args.markdown:
-        environment = describe_environment(started, load_before, os.getloadavg())
-        report.write_markdown(
-            records,
-            args.markdown,
-            command=command,
-            settings=settings,
-            plot=args.plot,
-            environment=environment,
-        )
+    render(
+        records,
+        args,
+        settings,
+        command,
+        lambda: describe_environment(started, load_before, os.getloadavg()),
+    )
     expected = len(plan) * len(models) * len(bandwidths)
     return 0 if len(records) == expected else 1
 
