@@ -6,9 +6,10 @@ Change one line of a Horovod script::
     opt = horovod_powersgd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
 """
 
+from .checkpoint import load_checkpoint, save_checkpoint
 from .compressor import PowerSGDCompressor, orthogonalize_
 from .config import PowerSGDConfig
-from .optimizer import DistributedOptimizer, load_checkpoint, save_checkpoint
+from .optimizer import DistributedOptimizer
 
 __version__ = "0.1.0"
 
