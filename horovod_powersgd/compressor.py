@@ -14,7 +14,7 @@ memory that warm-starts the next step. All of it is allocated once:
 One step, as the caller drives it (W workers; "sum" is an all-reduce that the
 caller performs between the calls):
 
-    begin_step()                   # pick this step's Q (warm start / fresh)
+    begin_step()                   # this step's Q: memory or fresh draw, orthonormalised
     compress(param, grad)          # 1-2. M = grad + e;  P = M·Q        (per layer)
     p_buffers()                    # 3.   -> caller sums all P
     project(p_sums)                # 4-5. P̂ = orth(P);  Q_w = Mᵀ·P̂     -> caller averages Q
@@ -91,6 +91,24 @@ def orthogonalize_(matrices: torch.Tensor) -> torch.Tensor:
     return matrices
 
 
+# What P and Q of one matrix may reach on a float16 wire, summed over workers:
+# 2^10 leaves 64x headroom below float16's largest number (65504) for a gradient
+# that grows between steps, and 2^24 below it before float16 goes subnormal.
+_WIRE_TARGET = 2.0**10
+
+
+def _wire_scale(bound: torch.Tensor, workers: int) -> torch.Tensor:
+    """The power of two that brings numbers up to `bound` to about 2^10 / workers.
+
+    Powers of two scale exactly, and the scale only needs `bound`, computed
+    from state identical on every rank, so every rank picks the same scale
+    without a collective. Where `bound` is 0 or not finite the scale is 1.
+    """
+    exponent = torch.floor(torch.log2(_WIRE_TARGET / workers / bound)).clamp_(-60, 60)
+    usable = torch.isfinite(exponent) & (bound > 0)
+    return torch.where(usable, torch.exp2(exponent), torch.ones_like(bound))
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype PowerSGD state and math use for parameters of `dtype`.
 
@@ -117,6 +135,12 @@ class _Group:
     qt_local: torch.Tensor | None = None  # (k, r, m): this worker's Q_wᵀ = P̂ᵀ·M
     qt_memory: torch.Tensor | None = None  # (k, r, m): warm start, identical on every rank
     finite: torch.Tensor | None = None  # (k, 1, 1) bool: summed P finite this step
+    pt_comm: torch.Tensor | None = None  # (k, r, n) view into the bucket's P comm buffer
+    qt_comm: torch.Tensor | None = None  # (k, r, m) view into the bucket's Q comm buffer
+    # float16 on the wire only: P and Q leave multiplied by these powers of two
+    # (k, 1, 1), so that they sit well inside float16's range (see `_wire_scale`).
+    p_scale: torch.Tensor | None = None
+    q_scale: torch.Tensor | None = None
 
     @property
     def count(self) -> int:
@@ -145,6 +169,8 @@ class _Bucket:
         self.device = device
         self.dtype = dtype
         self.comm_dtype = comm_dtype or dtype
+        # Scaling buys range only where the wire is narrower than the math.
+        self.scaled = self.comm_dtype == torch.float16 and dtype != torch.float16
         self.groups: OrderedDict[tuple[int, int, int], _Group] = OrderedDict()
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
@@ -169,6 +195,8 @@ class _Bucket:
             g.pt = self.p[p_off : p_off + p_size].view(g.count, g.rank, g.n)
             g.qt_local = self.q_local[q_off : q_off + q_size].view(g.count, g.rank, g.m)
             g.qt_memory = self.q_memory[q_off : q_off + q_size].view(g.count, g.rank, g.m)
+            g.pt_comm = self.p_comm[p_off : p_off + p_size].view(g.count, g.rank, g.n)
+            g.qt_comm = self.q_comm[q_off : q_off + q_size].view(g.count, g.rank, g.m)
             p_off += p_size
             q_off += q_size
         self.q_memory.normal_(generator=self.generator)
@@ -222,6 +250,8 @@ class PowerSGDCompressor:
             group.names.append(name)
         for bucket in self.buckets.values():
             bucket.allocate()
+        self.workers = 1
+        self.steps = 0  # compressed steps completed (decompress() counts them)
 
     # --- structure ----------------------------------------------------------------
     @property
@@ -249,24 +279,39 @@ class PowerSGDCompressor:
         )
 
     # --- one step -----------------------------------------------------------------
-    def begin_step(self) -> None:
-        """Choose this step's Q: the memory (warm start) or a fresh random draw.
+    def begin_step(self, workers: int = 1) -> None:
+        """Choose this step's Q: the memory (warm start) or a fresh random draw, orthonormalised.
 
         A Q memory column that is all zero (its layer's M was zero everywhere,
         e.g. a frozen or unused layer) would keep P = M·Q zero forever; such
         columns are redrawn. The draw is made every step, on every rank alike,
         so generators stay in step; it costs r·m numbers per layer, small next
         to the n·m of the gradient.
+
+        Args:
+            workers: how many workers sum P and Q (sets the float16 wire scale).
         """
+        self.workers = workers
+        warm = self.config.warm_start and self.steps > 0
         for bucket in self.buckets.values():
             # q_local is free until project(): use it as scratch for the draw.
             bucket.q_local.normal_(generator=bucket.generator)
             if not self.config.warm_start:
                 bucket.q_memory.copy_(bucket.q_local)
-                continue
             for g in bucket.groups.values():
-                dead = torch.linalg.vector_norm(g.qt_memory, dim=2, keepdim=True) == 0
-                torch.where(dead, g.qt_local, g.qt_memory, out=g.qt_memory)
+                g.p_scale = g.q_scale = None
+                if self.config.warm_start:
+                    norms = torch.linalg.vector_norm(g.qt_memory, dim=2, keepdim=True)
+                    torch.where(norms == 0, g.qt_local, g.qt_memory, out=g.qt_memory)
+                    if bucket.scaled and warm:
+                        # The Q memory is last step's Q_avg = Mᵀ·P̂: its column
+                        # norms are M's singular values, which bound P = M·Q̂.
+                        g.p_scale = _wire_scale(norms.amax(dim=1, keepdim=True), workers)
+                # P = M·Q against an orthonormal Q has the magnitude of M. The Q
+                # memory (last step's averaged Q) has the magnitude of M too, so
+                # M·Q_memory would scale with |M|², underflowing or overflowing
+                # float16 on the wire. P̂ = orth(P) is the same either way.
+                orthogonalize_(g.q_memory)
 
     def compress(self, name: str, grad: torch.Tensor | None) -> None:
         """Steps 1-2 for one parameter: M = grad (+ error), P = M·Q.
@@ -288,8 +333,10 @@ class PowerSGDCompressor:
     def p_buffers(self) -> list[torch.Tensor]:
         """Step 3: the flat P buffers (one per bucket) for the caller to sum in place."""
         for bucket in self.buckets.values():
-            if bucket.p_comm is not bucket.p:
-                bucket.p_comm.copy_(bucket.p)
+            if bucket.p_comm is bucket.p:
+                continue
+            for g in bucket.groups.values():
+                g.pt_comm.copy_(g.pt if g.p_scale is None else g.pt * g.p_scale)
         return [bucket.p_comm for bucket in self.buckets.values()]
 
     def project(self, p_sums: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -307,9 +354,17 @@ class PowerSGDCompressor:
                 bucket.p.copy_(p_sum)
             for g in bucket.groups.values():
                 g.finite = torch.isfinite(g.p).all(dim=2, keepdim=True).all(dim=1, keepdim=True)
+                if bucket.scaled:
+                    # Column norms of the summed P estimate M's singular values,
+                    # which bound Q_w = Mᵀ·P̂ (P's own wire scale divided out).
+                    norms = torch.linalg.vector_norm(g.pt, dim=2, keepdim=True).amax(dim=1)
+                    norms = norms.view(g.count, 1, 1)
+                    if g.p_scale is not None:
+                        norms = norms / g.p_scale
+                    g.q_scale = _wire_scale(norms, self.workers)
                 orthogonalize_(g.p)
                 torch.bmm(g.pt, g.matrices, out=g.qt_local)  # Q_wᵀ = P̂ᵀ·M
-            bucket.q_comm.copy_(bucket.q_local)
+                g.qt_comm.copy_(g.qt_local if g.q_scale is None else g.qt_local * g.q_scale)
         return [bucket.q_comm for bucket in self.buckets.values()]
 
     def update_error(self) -> None:
@@ -338,7 +393,8 @@ class PowerSGDCompressor:
         Args:
             q_avgs: the buffers returned by `project`, now averaged over workers.
             out: optional name -> tensor (e.g. the parameters' `.grad`) to write
-                the gradients into, saving an allocation per step.
+                the gradients into, saving an allocation per step; names not in
+                it get a new tensor.
 
         Returns:
             name -> gradient, shaped like the parameter.
@@ -349,13 +405,15 @@ class PowerSGDCompressor:
             for g in bucket.groups.values():
                 size = g.count * g.m * g.rank
                 qt = q_avg[q_off : q_off + size].view(g.count, g.rank, g.m).to(bucket.dtype)
+                if g.q_scale is not None:
+                    qt = qt / g.q_scale  # a power of two: exact
                 q_off += size
                 finite_q = torch.isfinite(qt).all(dim=2, keepdim=True).all(dim=1, keepdim=True)
                 torch.where(g.finite & finite_q, qt, g.qt_memory, out=g.qt_memory)
                 # The gradient uses the Q that was sent, finite or not: a
                 # non-finite gradient must reach the optimizer (GradScaler skips it).
                 for i, name in enumerate(g.names):
-                    target = None if out is None else out[name]
+                    target = None if out is None else out.get(name)
                     if (
                         target is not None
                         and target.is_contiguous()
@@ -366,6 +424,7 @@ class PowerSGDCompressor:
                         grad = (g.p[i] @ qt[i]).view(self._shapes[name])
                         target = grad if target is None else target.copy_(grad)
                     grads[name] = target
+        self.steps += 1
         return grads
 
     # --- checkpoints --------------------------------------------------------------
@@ -384,6 +443,7 @@ class PowerSGDCompressor:
             "error_buffers": error,
             "q_memory": memory,
             "rng_states": [b.generator.get_state() for b in self.buckets.values()],
+            "steps": self.steps,
         }
 
     def check_state_dict(self, state: dict, tensor_keys=("error_buffers", "q_memory")) -> None:
@@ -430,14 +490,22 @@ class PowerSGDCompressor:
                 self._state_tensor(key, name).copy_(tensor)
         for bucket, rng in zip(self.buckets.values(), state["rng_states"]):
             bucket.generator.set_state(rng.cpu() if hasattr(rng, "cpu") else rng)
+        # Checkpoints from before the counter existed: a warm Q memory if any step ran.
+        self.steps = state.get("steps", self.steps)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()` output; validates everything before changing anything."""
         self._load(state, ("error_buffers", "q_memory"))
 
-    def load_shared_state(self, q_memory: dict, rng_states: list) -> None:
-        """Set the Q memory and RNG states (the state equal on every rank)."""
-        self._load({"q_memory": q_memory, "rng_states": rng_states}, ("q_memory",))
+    def load_shared_state(self, shared: dict) -> None:
+        """Set the state equal on every rank: `shared_state()` of another worker."""
+        self._load(shared, ("q_memory",))
+
+    def shared_state(self) -> dict:
+        """The part of `state_dict()` that is equal on every rank (all but the errors)."""
+        state = self.state_dict()
+        del state["error_buffers"]
+        return state
 
     def reset_error(self) -> None:
         """Forget the residuals (e.g. after the set of workers changed)."""

@@ -58,6 +58,8 @@ class PowerSGDConfig:
     backward_passes_per_step: int = 1
     # Average divides by the number of workers (in two halves, see Horovod's docs).
     gradient_predivide_factor: float = 1.0
+    # Make sparse gradients dense (then compressed like any other) instead of refusing them.
+    sparse_as_dense: bool = False
 
     def __post_init__(self):
         if not _is_int(self.rank) or self.rank < 1:
@@ -69,7 +71,7 @@ class PowerSGDConfig:
             raise ValueError(f"min_compression_rate must be a number >= 0, got {rate!r}")
         if rate == float("inf"):
             raise ValueError("min_compression_rate must be finite; use rank=... or plain Horovod")
-        for flag in ("error_feedback", "warm_start"):
+        for flag in ("error_feedback", "warm_start", "sparse_as_dense"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if not _is_int(self.seed):

@@ -8,10 +8,12 @@ communication rounds of a step, each as one fused (grouped) all-reduce.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import itertools
 import os
 import pickle
+import sys
 import time
 import warnings
 import weakref
@@ -19,6 +21,7 @@ from contextlib import contextmanager
 
 import horovod.torch as hvd
 import torch
+from horovod.torch.compression import FP16Compressor
 from horovod.torch.elastic import state as _elastic_state
 
 from .compressor import PowerSGDCompressor
@@ -34,6 +37,11 @@ _STATE_KEY = "powersgd"
 # among them: bfloat16 gradients travel as float32 copies, and comm_dtype
 # bfloat16 is refused up front.
 _REDUCIBLE = (torch.float16, torch.float32, torch.float64)
+
+# Horovod gives an optimizer no hook into hvd.broadcast_optimizer_state, but
+# that function starts by calling optimizer.state_dict() on every rank: the one
+# moment all ranks are known to be inside it (see `state_dict`).
+_BROADCAST_OPTIMIZER_STATE = getattr(hvd.broadcast_optimizer_state, "__code__", None)
 
 
 # hvd.synchronize() waits by spinning on sched_yield, which keeps a core busy
@@ -52,13 +60,6 @@ def _wait(handle):
     return hvd.synchronize(handle)
 
 
-def _wire_dtype(dtype: torch.dtype, comm_dtype: torch.dtype | None = None) -> torch.dtype:
-    """The dtype a gradient of `dtype` travels in (`comm_dtype` where one is set)."""
-    if comm_dtype is not None:
-        return comm_dtype
-    return dtype if dtype in _REDUCIBLE else torch.float32
-
-
 class _DistributedOptimizer:
     """Methods of the dynamic class `DistributedOptimizer` builds (see there).
 
@@ -70,13 +71,21 @@ class _DistributedOptimizer:
 
     _base = torch.optim.Optimizer
 
-    def __init__(self, params, named_parameters, config: PowerSGDConfig, op, process_set):
+    def __init__(
+        self, params, named_parameters, config: PowerSGDConfig, compression, op, groups, process_set
+    ):
         self._base.__init__(self, params)
         self.config = config
+        self.compression = compression
         self.op = op
+        # Accepted for Horovod compatibility: every round already travels as one
+        # fused collective, so explicit groups change nothing that is sent.
+        self.groups = groups
         self.process_set = process_set
         set_id = process_set.process_set_id
         self._name = f"powersgd.{set_id}.{next(_instances[set_id])}"
+        # Like Horovod: a rank outside the process set trains on its own gradients.
+        self._active = process_set.included()
 
         self._names: dict[torch.Tensor, str] = {p: name for name, p in named_parameters}
         # Parameters that get a gradient, in a fixed order (that of param_groups).
@@ -91,7 +100,7 @@ class _DistributedOptimizer:
                 )
         # Under elastic Horovod a worker that joins builds its optimizer while
         # the others wait in the state sync: the check runs there instead.
-        if os.environ.get("HOROVOD_ELASTIC") != "1":
+        if self._active and os.environ.get("HOROVOD_ELASTIC") != "1":
             self._check_same_model_on_every_rank()
         self._synced_world_size = process_set.size()
 
@@ -105,32 +114,22 @@ class _DistributedOptimizer:
 
         # --- per step (internal) ---------------------------------------------------
         self._delay = {p: config.backward_passes_per_step for p in self._params}
+        self._pending = False  # a backward pass was counted since the last synchronize()
         self._ready: set = set()  # parameters whose gradient is final for this step
         self._round1 = None  # handle of the in-flight P (+ uncompressed) collective
-        self._casts = []  # (gradient, copy in the dtype it travels in) where the two differ
+        # Per uncompressed tensor of round 1: (parameter, tensor sent, compression ctx).
+        self._sent: list = []
         self._step_begun = False
         self._synchronized = False
         self._should_synchronize = True
         self.powersgd_step = 0  # communication steps done so far
 
         # --- statistics ------------------------------------------------------------------
-        numel = sum(p.numel() for p in self._params)
-        raw_bytes = sum(p.numel() * _wire_size(p.dtype) for p in self._params)
-        p_elems, q_elems = self.compressor.elements_per_step()
-        plain_elems = sum(p.numel() for p in self._uncompressed)
-        plain_bytes = sum(
-            p.numel() * _wire_size(p.dtype, config.comm_dtype) for p in self._uncompressed
-        )
-        self._per_step = {
-            "warmup": (numel, numel, raw_bytes),
-            "compressed": (
-                numel,
-                p_elems + q_elems + plain_elems,
-                self.compressor.bytes_per_step() + plain_bytes,
-            ),
-        }
+        self._numel = sum(p.numel() for p in self._params)
         self._stats = {"steps": 0, "elements_uncompressed": 0, "elements_sent": 0, "bytes_sent": 0}
 
+        if not self._active:
+            return
         # The hooks hold the optimizer weakly: once it is gone (say, replaced by
         # a new one on the same model) its hooks do nothing instead of counting
         # backward passes for a step that will never come.
@@ -151,8 +150,9 @@ class _DistributedOptimizer:
         Otherwise the fused collectives would mismatch and hang. All ranks
         compare all signatures, so all of them raise the same error.
         """
+        compression = getattr(self.compression, "__qualname__", type(self.compression).__name__)
         signature = [(self._names[p], tuple(p.shape), str(p.dtype)) for p in self._params] + [
-            ("config", repr(self.config), str(self.op))
+            ("config", repr(self.config), str(self.op), compression)
         ]
         blob = pickle.dumps(signature)
         digest = torch.frombuffer(bytearray(hashlib.sha256(blob).digest()), dtype=torch.uint8)
@@ -177,25 +177,39 @@ class _DistributedOptimizer:
 
         Q memory, RNG states and step counter must be identical on every rank
         (P = M·Q is summed across ranks). Error buffers are per worker and are
-        not sent; if the number of workers changed since the last sync they
-        are reset to zero (each residual was a share of the old world's sum).
-        Called by elastic Horovod's state sync (see `_PowerSGDStateHandler`);
-        call it yourself after changing the workers in any other way.
+        not sent. A rank whose state differed from the root's (say, the root
+        loaded a checkpoint) resets its error buffers, with a warning: they
+        belonged to another trajectory. If the number of workers changed since
+        the last sync, every rank resets them (each residual was a share of the
+        old world's sum).
+
+        `hvd.broadcast_optimizer_state(opt, root_rank)` calls this on every
+        rank, and so does elastic Horovod's state sync; call it yourself after
+        changing the workers' state in any other way.
         """
-        shared = self.compressor.state_dict()
-        payload = {
-            "q_memory": shared["q_memory"],
-            "rng_states": shared["rng_states"],
-            "step": self.powersgd_step,
-        }
+        shared = self.compressor.shared_state()
+        payload = {"compressor": shared, "step": self.powersgd_step}
         payload = hvd.broadcast_object(
             payload, root_rank=root_rank, name=f"{self._name}.sync", process_set=self.process_set
         )
-        self.compressor.load_shared_state(payload["q_memory"], payload["rng_states"])
-        self.powersgd_step = payload["step"]
+        root = payload["compressor"]
+        changed = payload["step"] != self.powersgd_step or any(
+            not torch.equal(theirs.to(mine.device), mine)
+            for theirs, mine in zip(root["q_memory"].values(), shared["q_memory"].values())
+        )
+        self.compressor.load_shared_state(root)
+        old_step, self.powersgd_step = self.powersgd_step, payload["step"]
         if self.process_set.size() != self._synced_world_size:
             self.compressor.reset_error()
             self._synced_world_size = self.process_set.size()
+        elif changed and self.process_set.rank() != root_rank:
+            self.compressor.reset_error()
+            warnings.warn(
+                f"rank {self.process_set.rank()} took the PowerSGD state of rank {root_rank} "
+                f"(step {self.powersgd_step}; this rank was at step {old_step}): "
+                "its error buffers start at zero",
+                stacklevel=3,
+            )
 
     # --- hooks ---------------------------------------------------------------------------
     def _hook(self, p: torch.Tensor) -> None:
@@ -206,15 +220,19 @@ class _DistributedOptimizer:
                 "locally."
             )
         self._delay[p] -= 1
+        self._pending = True
         if self._delay[p] == 0:
             self._gradient_ready(p)
 
     def _gradient_ready(self, p: torch.Tensor) -> None:
         if p.grad is not None and p.grad.is_sparse:
-            raise ValueError(
-                f"parameter {self._names[p]!r} produced a sparse gradient; PowerSGD compresses "
-                "dense gradients only (e.g. nn.Embedding(sparse=False))"
-            )
+            if not self.config.sparse_as_dense:
+                raise ValueError(
+                    f"parameter {self._names[p]!r} produced a sparse gradient; PowerSGD "
+                    "compresses dense gradients only: pass sparse_as_dense=True, or use "
+                    "nn.Embedding(sparse=False)"
+                )
+            p.grad = p.grad.to_dense()
         if not self._step_begun:
             self._begin_step()
         if self._compressing and self.compressor.is_compressed(self._names[p]):
@@ -232,14 +250,44 @@ class _DistributedOptimizer:
         self._step_begun = True
         # A synchronize() whose step was skipped (e.g. by GradScaler) is over.
         self._synchronized = False
+        # Elastic Horovod skips the state sync when workers only left, so the
+        # world size is checked here too: residuals of another world size are stale.
+        if self.process_set.size() != self._synced_world_size:
+            self.compressor.reset_error()
+            self._synced_world_size = self.process_set.size()
         if self._compressing:
-            self.compressor.begin_step()
+            self.compressor.begin_step(workers=self.process_set.size())
 
     def _scale(self):
         if self.op == hvd.Average:
             f = self.config.gradient_predivide_factor
             return {"prescale_factor": 1.0 / f, "postscale_factor": f}
         return {}
+
+    def _allreduce_async(self, tensors: list[torch.Tensor], round_name: str):
+        """One grouped all-reduce of `tensors`, counted in the statistics."""
+        self._stats["elements_sent"] += sum(t.numel() for t in tensors)
+        self._stats["bytes_sent"] += sum(t.numel() * t.element_size() for t in tensors)
+        return hvd.grouped_allreduce_async_(
+            tensors,
+            name=f"{self._name}.{round_name}",
+            op=self.op,
+            process_set=self.process_set,
+            **self._scale(),
+        )
+
+    def _to_wire(self, grad: torch.Tensor, comm_dtype: torch.dtype | None):
+        """(tensor to all-reduce, compression ctx) for a gradient that travels uncompressed.
+
+        Compressed steps send everything in `comm_dtype` where one is set;
+        otherwise the user's Horovod `compression` applies, as in Horovod.
+        """
+        if comm_dtype is not None:
+            return (grad if grad.dtype == comm_dtype else grad.to(comm_dtype)), None
+        tensor, ctx = self.compression.compress(grad)
+        if tensor.is_floating_point() and tensor.dtype not in _REDUCIBLE:
+            tensor = tensor.float()  # bfloat16: Horovod 0.28 cannot reduce it
+        return tensor, ctx
 
     def _launch_round1(self):
         """Step 3: one grouped all-reduce of all P and every uncompressed gradient."""
@@ -249,22 +297,30 @@ class _DistributedOptimizer:
                 p.grad = torch.zeros_like(p)
         # Warm-up steps are plain Horovod; compressed steps send everything in
         # comm_dtype, the uncompressed gradients included.
-        plain = self._uncompressed if self._compressing else self._params
-        comm_dtype = self.config.comm_dtype if self._compressing else None
-        wire = [(p.grad, _wire_dtype(p.grad.dtype, comm_dtype)) for p in plain]
-        self._casts = [(grad, grad.to(dtype)) for grad, dtype in wire if grad.dtype != dtype]
-        cast = {id(grad): copy for grad, copy in self._casts}
-        plain_tensors = [cast.get(id(p.grad), p.grad) for p in plain]
-        p_tensors = self.compressor.p_buffers() if self._compressing else []
-        tensors = p_tensors + plain_tensors
-        self._round1 = hvd.grouped_allreduce_async_(
-            tensors,
-            name=f"{self._name}.round1",
-            op=self.op,
-            process_set=self.process_set,
-            **self._scale(),
-        )
+        compressing = self._compressing
+        plain = self._uncompressed if compressing else self._params
+        comm_dtype = self.config.comm_dtype if compressing else None
+        self._sent = [(p, *self._to_wire(p.grad, comm_dtype)) for p in plain]
+        self._sent_compressed = comm_dtype is None
+        p_tensors = self.compressor.p_buffers() if compressing else []
+        self._round1 = self._allreduce_async(p_tensors + [t for _, t, _ in self._sent], "round1")
         self._round1_count = len(p_tensors)
+        self._stats["elements_uncompressed"] += self._numel
+
+    def _receive_uncompressed(self, outputs) -> None:
+        """Write the aggregated uncompressed gradients into `p.grad`.
+
+        Into the gradient as it is now, like Horovod: code that assigned a new
+        tensor to `p.grad` after backward (e.g. a clamp) gets the result there.
+        """
+        for (p, _, ctx), out in zip(self._sent, outputs):
+            if self._sent_compressed:
+                out = self.compression.decompress(out, ctx)
+            if p.grad is None:
+                p.grad = out.to(p.dtype)
+            elif out is not p.grad:
+                p.grad.copy_(out)
+        self._sent = []
 
     # --- Horovod's optimizer interface ---------------------------------------------------
     def synchronize(self) -> None:
@@ -273,6 +329,9 @@ class _DistributedOptimizer:
         Parameters whose hook did not fire (unused this step, or gradients set
         by hand) count as ready now. Steps 4-6 run here: they need the summed P.
         """
+        if not self._active:
+            self._synchronized = True
+            return
         if not self._step_begun:
             self._begin_step()
         for p in self._params:
@@ -282,37 +341,26 @@ class _DistributedOptimizer:
         # The last ready gradient launched round 1, unless there is no gradient at all.
         outputs = _wait(self._round1) if self._round1 is not None else []
         self._round1 = None
-        for grad, copy in self._casts:
-            grad.copy_(copy)
-        self._casts = []
-        kind = "warmup"
+        self._receive_uncompressed(outputs[self._round1_count :] if outputs else [])
         if self._compressing and self._compressed:
-            kind = "compressed"
             p_sums = list(outputs[: self._round1_count])
             q_buffers = self.compressor.project(p_sums)  # steps 4-5
-            round2 = hvd.grouped_allreduce_async_(
-                q_buffers,
-                name=f"{self._name}.round2",
-                op=self.op,
-                process_set=self.process_set,
-                **self._scale(),
-            )
+            round2 = self._allreduce_async(q_buffers, "round2")
             self.compressor.update_error()  # step 6b, overlapping the Q collective
             q_avgs = _wait(round2)
-            # step 6a, written straight into the parameters' gradients
-            self.compressor.decompress(
-                list(q_avgs), out={self._names[p]: p.grad for p in self._compressed}
+            # step 6a, written straight into the parameters' gradients as they are now
+            grads = self.compressor.decompress(
+                list(q_avgs),
+                out={self._names[p]: p.grad for p in self._compressed if p.grad is not None},
             )
-        elif self._compressing:
-            kind = "compressed"  # nothing passed the rate test: P and Q are empty
-        elements, sent, sent_bytes = self._per_step[kind]
+            for p in self._compressed:
+                if p.grad is None:
+                    p.grad = grads[self._names[p]]
         self._stats["steps"] += 1
-        self._stats["elements_uncompressed"] += elements
-        self._stats["elements_sent"] += sent
-        self._stats["bytes_sent"] += sent_bytes
         self.powersgd_step += 1
         self._ready.clear()
         self._step_begun = False
+        self._pending = False
         for p in self._params:
             self._delay[p] = self.config.backward_passes_per_step
         self._synchronized = True
@@ -339,25 +387,39 @@ class _DistributedOptimizer:
 
     def step(self, closure=None):
         if self._should_synchronize:
-            if self._synchronized:
+            if self._synchronized and not self._step_begun:
+                # Horovod would all-reduce the already averaged gradients again,
+                # which leaves them as they are; a second PowerSGD round would
+                # compress them again and change the update. So: no second round.
                 warnings.warn(
                     "optimizer.step() called without optimizer.skip_synchronize() after "
-                    "optimizer.synchronize(): the gradients are communicated twice. Wrap the "
-                    "step in `with optimizer.skip_synchronize():`.",
+                    "optimizer.synchronize(): the gradients are already aggregated and are "
+                    "used as they are. Wrap the step in `with optimizer.skip_synchronize():`.",
                     stacklevel=2,
                 )
-            self.synchronize()
+            else:
+                self.synchronize()
         self._synchronized = False
         return self._base.step(self, closure)
 
     def zero_grad(self, set_to_none: bool = True):
-        if self._ready or self._round1 is not None:
+        if self._pending:
             raise AssertionError(
                 "optimizer.zero_grad() was called after loss.backward() but before "
                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
                 "cause a race condition."
             )
         return self._base.zero_grad(self, set_to_none=set_to_none)
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        return self.config.backward_passes_per_step
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Accumulate `passes` local backward passes per step from now on (as Horovod)."""
+        self.config = dataclasses.replace(self.config, backward_passes_per_step=passes)
+        for p in self._params:
+            self._delay[p] = passes
 
     # --- statistics and checkpoints --------------------------------------------------------
     def compression_stats(self) -> dict:
@@ -381,7 +443,21 @@ class _DistributedOptimizer:
         The PowerSGD part (key ``"powersgd"``) holds the error buffers, Q
         memory, RNG states and step counter. Error buffers differ per rank:
         save every rank's (see `save_checkpoint`), not only rank 0's.
+
+        Inside `hvd.broadcast_optimizer_state(opt, root_rank)` (which calls
+        this first, on every rank) it also makes the shared PowerSGD state
+        agree with the root's, so Horovod's usual resume (rank 0 loads, then
+        broadcasts) works; see `broadcast_powersgd_state`.
         """
+        caller = sys._getframe(1)
+        if (
+            self._active
+            and caller.f_code is _BROADCAST_OPTIMIZER_STATE
+            # Its first call only: the second (after initialising empty state)
+            # happens on the ranks whose state was empty, not on all ranks.
+            and "state_dict" not in caller.f_locals
+        ):
+            self.broadcast_powersgd_state(caller.f_locals["root_rank"])
         state = self._base.state_dict(self)
         state[_STATE_KEY] = {
             "step": self.powersgd_step,
@@ -399,13 +475,17 @@ class _DistributedOptimizer:
         warning): residuals belong to a worker's share of the data, and no
         sum-preserving way maps W old residuals onto W' new workers' futures
         better than starting from zero. Same number of workers: bit exact.
+        Loading on one rank only (then `hvd.broadcast_optimizer_state`) is
+        fine: the broadcast makes the other ranks agree.
         """
         state_dict = dict(state_dict)
         ours = state_dict.pop(_STATE_KEY, None)
         if ours is not None:
             self.compressor.check_state_dict(ours["compressor"])
         self._round1 = None
+        self._sent = []
         self._ready.clear()
+        self._pending = False
         self._step_begun = False
         self._synchronized = False
         self._should_synchronize = True
@@ -435,20 +515,29 @@ class _DistributedOptimizer:
 class _PowerSGDStateHandler(_elastic_state.OptimizerStateHandler):
     """`hvd.elastic.TorchState` handler for our optimizers.
 
-    On every sync (start, and after each change of workers) it does what the
-    stock optimizer handler does, then checks that all ranks hold the same
-    model and broadcasts the PowerSGD state that must agree across ranks.
+    On every sync (start, and after each change of workers) it checks that all
+    ranks hold the same model, then does what the stock optimizer handler does:
+    `hvd.broadcast_optimizer_state`, which also brings the PowerSGD state that
+    must agree across ranks (see `state_dict`).
     """
 
     def sync(self):
         self.value._check_same_model_on_every_rank()
         super().sync()
-        self.value.broadcast_powersgd_state(root_rank=0)
 
 
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     named_parameters=None,
+    compression=hvd.Compression.none,
+    backward_passes_per_step: int = 1,
+    op=hvd.Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups=None,
+    sparse_as_dense: bool = False,
+    process_set=hvd.global_process_set,
+    *,
     rank: int = 2,
     start_iter: int = 0,
     min_compression_rate: float = 2.0,
@@ -456,24 +545,20 @@ def DistributedOptimizer(
     warm_start: bool = True,
     seed: int = 0,
     comm_dtype: torch.dtype | None = None,
-    backward_passes_per_step: int = 1,
-    op=hvd.Average,
-    gradient_predivide_factor: float = 1.0,
-    process_set=hvd.global_process_set,
 ):
     """Wrap a torch optimizer so that its gradients are averaged with PowerSGD.
 
-    A drop-in for `hvd.DistributedOptimizer`: same launch, same
-    `synchronize()` / `skip_synchronize()`, same `backward_passes_per_step`,
-    `op`, `gradient_predivide_factor` and `process_set`. Each gradient of
-    shape (n, ...) is viewed as an n x m matrix M (conv weights as
-    out x in·kh·kw) and, if it shrinks at least `min_compression_rate`-fold,
-    sent as P (n x r) and Q (m x r) instead of n·m numbers; 1-D tensors and
-    small matrices travel uncompressed in the same collective as P.
+    A drop-in for `hvd.DistributedOptimizer`: the same arguments in the same
+    order, the same launch, the same `synchronize()` / `skip_synchronize()`.
+    PowerSGD's own settings follow, keyword-only. Each gradient of shape
+    (n, ...) is viewed as an n x m matrix M (conv weights as out x in·kh·kw)
+    and, if it shrinks at least `min_compression_rate`-fold, sent as P (n x r)
+    and Q (m x r) instead of n·m numbers; 1-D tensors and small matrices
+    travel uncompressed in the same collective as P.
 
     One step (W workers):
       1. M = grad + e (e: this worker's error buffer)      -- in the gradient hook
-      2. P = M·Q (Q: warm-started from last step)          -- in the gradient hook
+      2. P = M·Q̂ (Q̂: last step's Q, orthonormalised)       -- in the gradient hook
       3. all-reduce all P and all uncompressed gradients   -- one grouped collective,
          launched when the last gradient of the step is ready
       4. orthogonalise each P (batched over same-shape matrices)
@@ -487,10 +572,10 @@ def DistributedOptimizer(
         paper), 4-32 for transformers and LSTMs.
       * start_iter: plain all-reduce for this many steps; about the end of the
         learning-rate warm-up.
-      * comm_dtype: torch.float16 halves the bytes of compressed steps (P, Q and
-        the uncompressed gradients all travel in it; warm-up steps stay plain);
-        orthogonalisation still runs in float32. Horovod 0.28 cannot all-reduce
-        bfloat16, so that is refused.
+      * compression=hvd.Compression.fp16 (or comm_dtype=torch.float16) halves
+        the bytes: P and Q are computed against orthonormal partners, so they
+        have the gradient's scale and float16 keeps them as well as it keeps
+        plain gradients. Orthogonalisation still runs in float32.
     Memory added per compressed n x m parameter: n·m (error buffer) plus
     about 3·r·(n+m) (P, Q, Q memory), in float32 for 16-bit parameters.
 
@@ -498,6 +583,20 @@ def DistributedOptimizer(
         optimizer: the torch optimizer to wrap (its param_groups are reused).
         named_parameters: (name, parameter) pairs, e.g. model.named_parameters();
             must name every parameter of the optimizer, uniquely.
+        compression: a Horovod compressor. `hvd.Compression.fp16` sends
+            everything in float16, warm-up steps included; any other is applied,
+            as in Horovod, to the tensors that travel uncompressed.
+        backward_passes_per_step: local backward passes (summed in p.grad) per step.
+        op: hvd.Average or hvd.Sum (hvd.Adasum is not linear: ValueError).
+        gradient_predivide_factor: with Average, divide by this before the sum
+            and by size/factor after.
+        num_groups: Horovod's deprecated name for `groups`.
+        groups: accepted and validated as Horovod does; every round of a step
+            already travels as one fused collective, so it changes nothing sent.
+        sparse_as_dense: make sparse gradients (nn.Embedding(sparse=True)) dense,
+            so they are compressed like any other; without it they raise.
+        process_set: the Horovod process set to reduce over. A rank outside it
+            trains on its own gradients, as with Horovod.
         rank: matrix approximation rank r (>= 1), capped at min(n, m) per tensor.
         start_iter: steps of plain all-reduce before compression starts.
         min_compression_rate: compress an n x m gradient only if
@@ -506,12 +605,7 @@ def DistributedOptimizer(
         warm_start: reuse last step's Q instead of a fresh random one.
         seed: seed of the random Q (must be, and is checked to be, equal on all ranks).
         comm_dtype: dtype compressed steps send P, Q and the uncompressed gradients
-            in (None: the compute dtype for P/Q, each gradient's own for the rest).
-        backward_passes_per_step: local backward passes (summed in p.grad) per step.
-        op: hvd.Average or hvd.Sum (hvd.Adasum is not linear: ValueError).
-        gradient_predivide_factor: with Average, divide by this before the sum
-            and by size/factor after.
-        process_set: the Horovod process set to reduce over; must include this rank.
+            in (None: the compute dtype for P/Q, the compression's for the rest).
 
     Returns:
         An optimizer of a class derived from `type(optimizer)`.
@@ -522,7 +616,7 @@ def DistributedOptimizer(
 
     Example:
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1 * hvd.size(), momentum=0.9)
-        >>> opt = horovod_powersgd.DistributedOptimizer(
+        >>> opt = horovod_powersgd.DistributedOptimizer(  # was: hvd.DistributedOptimizer(
         ...     opt, named_parameters=model.named_parameters(), rank=2)
         >>> hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         >>> hvd.broadcast_optimizer_state(opt, root_rank=0)
@@ -539,6 +633,16 @@ def DistributedOptimizer(
         )
     if op not in (hvd.Average, hvd.Sum):
         raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
+    comm_dtype = _check_compression(compression, comm_dtype)
+    if num_groups != 0:
+        warnings.warn(
+            "Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if groups is None:
+            groups = num_groups
+    _check_groups(groups)
     config = PowerSGDConfig(
         rank=rank,
         start_iter=start_iter,
@@ -549,6 +653,7 @@ def DistributedOptimizer(
         comm_dtype=comm_dtype,
         backward_passes_per_step=backward_passes_per_step,
         gradient_predivide_factor=gradient_predivide_factor,
+        sparse_as_dense=sparse_as_dense,
     )
     if comm_dtype is not None and comm_dtype not in _REDUCIBLE:
         raise ValueError(
@@ -559,11 +664,6 @@ def DistributedOptimizer(
         raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
     if not isinstance(process_set, hvd.ProcessSet):
         raise ValueError(f"process_set must be a hvd.ProcessSet, got {process_set!r}")
-    if not process_set.included():
-        raise ValueError(
-            f"this rank ({hvd.rank()}) is not in process_set {process_set!r}; build the "
-            "optimizer only on the ranks of its process set"
-        )
     named_parameters = _check_named_parameters(optimizer, named_parameters)
 
     # A class per wrapped type, as Horovod does, so isinstance checks keep working.
@@ -577,7 +677,9 @@ def DistributedOptimizer(
     members["_base"] = optimizer.__class__
     members["__module__"] = hvd.DistributedOptimizer.__module__
     cls = type(optimizer.__class__.__name__, (optimizer.__class__, _DistributedOptimizer), members)
-    return cls(optimizer.param_groups, named_parameters, config, op, process_set)
+    return cls(
+        optimizer.param_groups, named_parameters, config, compression, op, groups, process_set
+    )
 
 
 # hvd.elastic.TorchState picks the first handler whose type matches: ours first.
@@ -586,8 +688,48 @@ _elastic_state.set_handler_registry(
 )
 
 
-def _wire_size(dtype: torch.dtype, comm_dtype: torch.dtype | None = None) -> int:
-    return torch.empty(0, dtype=_wire_dtype(dtype, comm_dtype)).element_size()
+def _check_compression(compression, comm_dtype):
+    """Validate Horovod's `compression` against `comm_dtype`; returns the comm_dtype to use."""
+    if not (
+        callable(getattr(compression, "compress", None))
+        and callable(getattr(compression, "decompress", None))
+    ):
+        raise ValueError(
+            "compression must be a Horovod compressor such as hvd.Compression.none or "
+            f"hvd.Compression.fp16, got {compression!r}"
+        )
+    is_fp16 = (
+        isinstance(compression, type) and issubclass(compression, FP16Compressor)
+    ) or isinstance(compression, FP16Compressor)
+    if not is_fp16:
+        return comm_dtype
+    if comm_dtype not in (None, torch.float16):
+        raise ValueError(
+            f"compression=hvd.Compression.fp16 sends everything in float16, which conflicts "
+            f"with comm_dtype={comm_dtype}; pass one of the two"
+        )
+    # P, Q and everything else of a compressed step in float16 too.
+    return torch.float16
+
+
+def _check_groups(groups) -> None:
+    """Horovod's validation of `groups`: None, an integer > 0, or lists of tensors."""
+    if groups is None:
+        return
+    if isinstance(groups, list):
+        seen = set()
+        for group in groups:
+            for p in group:
+                if not isinstance(p, torch.Tensor):
+                    raise ValueError("groups must consist of torch.Tensor.")
+                if id(p) in seen:
+                    raise ValueError("A parameter can only appear once in groups.")
+                seen.add(id(p))
+        return
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
+        raise ValueError(
+            "groups should be a non-negative integer or a list of list of torch.Tensor."
+        )
 
 
 def _check_named_parameters(optimizer, named_parameters):

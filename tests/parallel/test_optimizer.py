@@ -9,43 +9,10 @@ import horovod.torch as hvd
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_same_on_every_rank, batch, make_model, powersgd, train
 from torch import nn
 
 import horovod_powersgd as hps
-
-
-def make_model(seed=0, dtype=torch.float32):
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 10)
-    ).to(dtype)
-
-
-def batch(step, rank=None, size=16, dtype=torch.float32):
-    """Different data on every rank and step, reproducible."""
-    g = torch.Generator().manual_seed(1000 * step + (hvd.rank() if rank is None else rank))
-    x = torch.randn(size, 32, generator=g, dtype=dtype)
-    y = torch.randint(0, 10, (size,), generator=g)
-    return x, y
-
-
-def train(model, opt, steps, first_step=0):
-    for step in range(first_step, first_step + steps):
-        x, y = batch(step)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-
-
-def assert_same_on_every_rank(tensor, name):
-    gathered = hvd.allgather(tensor.detach().reshape(1, -1).float(), name=f"same.{name}")
-    for r in range(1, hvd.size()):
-        assert torch.equal(gathered[r], gathered[0]), f"{name} differs between rank 0 and {r}"
-
-
-def powersgd(model, **kwargs):
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    return hps.DistributedOptimizer(opt, named_parameters=model.named_parameters(), **kwargs)
 
 
 def test_full_rank_equals_plain_horovod_average():
@@ -317,6 +284,14 @@ def test_bfloat16_model_trains():
         ({"comm_dtype": torch.int32}, "comm_dtype"),
         ({"comm_dtype": torch.bfloat16}, "bfloat16"),
         ({"op": hvd.Sum, "gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
+        ({"compression": object()}, "compression must be a Horovod compressor"),
+        (
+            {"compression": hvd.Compression.fp16, "comm_dtype": torch.float32},
+            "conflicts with comm_dtype",
+        ),
+        ({"groups": -1}, "groups should be"),
+        ({"groups": [[torch.zeros(1), "w"]]}, "groups must consist of torch.Tensor"),
+        ({"sparse_as_dense": 1}, "sparse_as_dense"),
     ],
 )
 def test_bad_settings_raise(kwargs, message):
@@ -366,16 +341,19 @@ def test_parameter_count_or_settings_that_differ_across_ranks_raise_on_every_ran
 
 
 @pytest.mark.world_size(2)
-def test_process_set_without_this_rank_raises():
+def test_rank_outside_the_process_set_trains_on_its_own_gradients_like_horovod():
     only_rank0 = hvd.add_process_set([0])
     try:
-        if hvd.rank() == 1:
-            with pytest.raises(ValueError, match="not in process_set"):
-                powersgd(make_model(), process_set=only_rank0)
-        else:
-            model = make_model()
-            opt = powersgd(model, process_set=only_rank0)
-            train(model, opt, steps=2)
+        model, local = make_model(), make_model()
+        opt = powersgd(model, process_set=only_rank0)
+        local_opt = torch.optim.SGD(local.parameters(), lr=0.05, momentum=0.9)
+        train(model, opt, steps=2)
+        train(local, local_opt, steps=2)
+        if hvd.rank() == 1:  # outside the set: no communication, a plain local step
+            assert opt.compression_stats()["steps"] == 0
+            for a, b in zip(model.parameters(), local.parameters()):
+                assert torch.equal(a, b)
+        else:  # a set of one: PowerSGD steps on its own
             assert opt.compression_stats()["steps"] == 2
     finally:
         hvd.remove_process_set(only_rank0)

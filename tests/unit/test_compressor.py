@@ -191,7 +191,8 @@ def test_non_finite_gradient_never_poisons_state(bad):
     workers = make_workers([(16, 24)], workers=2, rank=2)
     for _ in range(2):
         simulated_step(workers, [{"w0": torch.randn(16, 24)} for _ in workers])
-    memory_before = q_memory(workers[0], "w0").clone()
+    # The Q memory a step starts from is last step's, orthonormalised.
+    memory_before = orthogonalize_(q_memory(workers[0], "w0").clone().unsqueeze(0))[0]
     poisoned = torch.randn(16, 24)
     poisoned[3, 4] = bad
     outs, _, _ = simulated_step(workers, [{"w0": poisoned}, {"w0": torch.randn(16, 24)}])
@@ -200,7 +201,7 @@ def test_non_finite_gradient_never_poisons_state(bad):
     # ... but no NaN/Inf stays in the state, identically on all workers.
     for c in workers:
         assert torch.isfinite(error_buffer(c, "w0")).all()
-        assert torch.equal(q_memory(c, "w0"), memory_before)
+        torch.testing.assert_close(q_memory(c, "w0"), memory_before)
     outs, _, _ = simulated_step(workers, [{"w0": torch.randn(16, 24)} for _ in workers])
     assert all(torch.isfinite(o["w0"]).all() for o in outs)
 
@@ -257,7 +258,7 @@ def test_state_dict_round_trip_is_bit_exact():
     for g in data[:4]:
         simulated_step([a], [g])
     saved = {
-        k: (v if k == "rng_states" else {n: t.clone() for n, t in v.items()})
+        k: ({n: t.clone() for n, t in v.items()} if isinstance(v, dict) else v)
         for k, v in a.state_dict().items()
     }
     expected = [simulated_step([a], [g])[0][0] for g in data[4:]]

@@ -1,0 +1,181 @@
+"""What Horovod users do in ordinary scripts: rank-0 resume, fp16 on the wire,
+AMP loss scaling, gradients edited before step(), accumulation, synchronize().
+
+Every rank runs every test (see conftest.py).
+"""
+
+import warnings
+
+import horovod.torch as hvd
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_same_on_every_rank, batch, make_model, powersgd, train
+from torch import nn
+
+import horovod_powersgd as hps
+
+
+# --- Horovod's usual resume: rank 0 loads, then broadcasts ----------------------------------
+def test_rank0_load_then_broadcast_optimizer_state_resumes_on_every_rank():
+    model = make_model()
+    opt = powersgd(model, rank=2, start_iter=5)
+    train(model, opt, steps=4)
+    saved = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+    resumed = make_model(seed=7)
+    resumed_opt = powersgd(resumed, rank=2, start_iter=5)
+    if hvd.rank() == 0:  # the pattern of Horovod's examples: only rank 0 reads the file
+        resumed.load_state_dict(saved["model"])
+        resumed_opt.load_state_dict(saved["optimizer"])
+    hvd.broadcast_parameters(resumed.state_dict(), root_rank=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hvd.broadcast_optimizer_state(resumed_opt, root_rank=0)
+    took_over = [w for w in caught if "error buffers start at zero" in str(w.message)]
+
+    # Every rank is now at step 4, with the root's Q memory and RNG.
+    assert_same_on_every_rank(torch.tensor([resumed_opt.powersgd_step]), "step")
+    for n, q in resumed_opt.compressor.state_dict()["q_memory"].items():
+        assert_same_on_every_rank(q, f"q.{n}")
+    # Steps 4 (plain) and 5-7 (compressed) run on every rank without a stall.
+    train(resumed, resumed_opt, steps=4, first_step=4)
+    train(model, opt, steps=4, first_step=4)
+    for n, p in resumed.named_parameters():
+        assert_same_on_every_rank(p, n)
+        assert torch.isfinite(p).all()
+    assert resumed_opt.powersgd_step == opt.powersgd_step == 8
+    # Other ranks say that their residuals were dropped; the root has nothing to say.
+    assert len(took_over) == (0 if hvd.rank() == 0 else 1), [str(w.message) for w in caught]
+
+
+def test_broadcast_optimizer_state_without_a_load_changes_nothing_and_warns_nothing():
+    model = make_model()
+    opt = powersgd(model, rank=2)
+    train(model, opt, steps=3)
+    errors = {k: v.clone() for k, v in opt.compressor.state_dict()["error_buffers"].items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+    after = opt.compressor.state_dict()["error_buffers"]
+    assert all(torch.equal(errors[k], after[k]) for k in errors)  # residuals kept
+
+
+# --- fp16 on the wire keeps the gradient's scale -------------------------------------------
+def _aggregate(layer, opt, grad):
+    layer.weight.grad = grad.clone()
+    opt.synchronize()
+    return layer.weight.grad.clone()
+
+
+@pytest.mark.parametrize("scale", [1e-5, 1e-3, 1.0, 1e3])
+def test_fp16_on_the_wire_stays_within_one_percent_of_float32(scale):
+    torch.manual_seed(0)
+    layers = {dtype: nn.Linear(128, 64, bias=False) for dtype in (None, torch.float16)}
+    opts = {
+        dtype: hps.DistributedOptimizer(
+            torch.optim.SGD(layer.parameters(), lr=0.1),
+            named_parameters=layer.named_parameters(),
+            rank=4,
+            comm_dtype=dtype,
+        )
+        for dtype, layer in layers.items()
+    }
+    g = torch.Generator().manual_seed(hvd.rank())
+    # A gradient with a few strong directions plus noise, like a real layer's.
+    basis_u, basis_v = torch.randn(64, 3, generator=g), torch.randn(3, 128, generator=g)
+    for step in range(6):  # warm-started steps are where the scale used to be lost
+        grad = scale * (basis_u @ basis_v + 0.3 * torch.randn(64, 128, generator=g))
+        result = {dtype: _aggregate(layers[dtype], opts[dtype], grad) for dtype in layers}
+        reference = result[None]
+        error = (result[torch.float16] - reference).norm() / reference.norm()
+        assert torch.isfinite(result[torch.float16]).all(), (scale, step)
+        assert error < 0.01, (scale, step, float(error))
+
+
+def _skipped_steps(comm_dtype):
+    model = make_model()
+    opt = powersgd(model, rank=2, comm_dtype=comm_dtype)
+    scaler = torch.amp.GradScaler("cpu", init_scale=65536.0, growth_interval=10_000)
+    skipped = 0
+    for step in range(12):
+        x, y = batch(step)
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        before = scaler.get_scale()
+        scaler.update()
+        skipped += scaler.get_scale() < before
+    return skipped, model
+
+
+def test_grad_scaler_skips_no_more_steps_with_fp16_on_the_wire():
+    skipped32, _ = _skipped_steps(None)
+    skipped16, model = _skipped_steps(torch.float16)
+    assert skipped16 <= skipped32, (skipped16, skipped32)
+    for n, p in model.named_parameters():
+        assert torch.isfinite(p).all()
+        assert_same_on_every_rank(p, n)
+
+
+# --- gradients edited between backward() and step() ----------------------------------------
+def test_gradient_replaced_before_step_gets_the_aggregate_like_horovod():
+    grads = {}
+    for kind in ("horovod", "powersgd"):
+        model = make_model()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.05)
+        if kind == "horovod":
+            opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
+        else:  # full rank: PowerSGD's aggregate equals Horovod's average
+            opt = hps.DistributedOptimizer(
+                sgd, named_parameters=model.named_parameters(), rank=64, min_compression_rate=0
+            )
+        x, y = batch(0)
+        F.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            p.grad = p.grad.clamp(-0.01, 0.01)  # a new tensor, after the hooks fired
+        opt.synchronize()
+        grads[kind] = [p.grad.clone() for p in model.parameters()]
+        for n, p in model.named_parameters():
+            assert_same_on_every_rank(p.grad, f"{kind}.{n}")
+    for ours, theirs in zip(grads["powersgd"], grads["horovod"]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
+
+
+def test_zero_grad_between_micro_batches_raises_like_horovod():
+    model = make_model()
+    opt = powersgd(model, rank=2, backward_passes_per_step=2)
+    x, y = batch(0)
+    F.cross_entropy(model(x), y).backward()  # first of two micro-batches
+    with pytest.raises(AssertionError, match="zero_grad"):
+        opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert opt.compression_stats()["steps"] == 1
+    opt.zero_grad()  # after the step it is fine again
+
+
+def test_step_after_synchronize_without_skip_equals_the_skip_synchronize_step():
+    params = []
+    for skip in (True, False):
+        model = make_model()
+        opt = powersgd(model, rank=2)
+        for step in range(3):
+            x, y = batch(step)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            if skip:
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                with pytest.warns(UserWarning, match="already aggregated"):
+                    opt.step()
+        assert opt.compression_stats()["steps"] == 3  # no second round
+        params.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*params):
+        assert torch.equal(a, b)
