@@ -63,6 +63,8 @@ def main():
                             "size": hvd.size(),
                             "step": state.step,
                             "powersgd_step": opt.powersgd_step,
+                            # the world size the error buffers belong to
+                            "residual_world": opt._synced_world_size,
                             "loss": loss.item(),
                             "finite": bool(finite),
                             "params": checksum,
