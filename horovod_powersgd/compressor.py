@@ -1,36 +1,59 @@
 """The PowerSGD math on local tensors: no communication, testable in one process.
 
 `PowerSGDCompressor` owns, for every compressed parameter, an n x m matrix view
-of its gradient plus error (M), a rank-r P (n x r) and Q (m x r), and the Q
-memory that warm-starts the next step. All of it is allocated once:
+of its gradient plus error (M), a rank-r P (n x r) and Q (m x r), and the
+memories that warm-start the next step. All of it is allocated once:
 
-* matrices of the same shape, dtype and device form a *group*; their M, P, Q
-  and Q memory are stacked (k, n, m) / (k, n, r) / (k, m, r) tensors, so every
-  power-iteration half is one batched matmul per group;
-* groups of the same dtype and device form a *bucket*; the P and Q of all its
-  groups are views into one flat buffer each, so the communication layer can
-  send all P (and later all Q) of a step in one collective.
+* matrices of the same shape, dtype and device in one *bucket* form a *group*;
+  their M, P, Q and memories are stacked (k, n, m) / (k, n, r) / (k, m, r)
+  tensors, so every power-iteration half is one batched matmul per group;
+* a bucket is the caller's unit of communication (layers whose gradients are
+  ready at about the same time in the backward pass). The P and Q of all its
+  groups are views into one flat buffer each, so each of its messages is one
+  collective.
 
-One step, as the caller drives it (W workers; "sum" is an all-reduce that the
-caller performs between the calls):
+Two schedules (`PowerSGDConfig.rounds`). One step, as the caller drives it
+(W workers; "sum" is an all-reduce the caller performs between the calls; every
+call but begin_step/end_step can be made per bucket, as its gradients arrive):
 
-    begin_step()                   # this step's Q: memory or fresh draw, orthonormalised
-    compress(param, grad)          # 1-2. M = grad + e;  P = M·Q        (per layer)
-    p_buffers()                    # 3.   -> caller sums all P
-    project(p_sums)                # 4-5. P̂ = orth(P);  Q_w = Mᵀ·P̂     -> caller averages Q
-    update_error()                 # 6b.  e = M − P̂·Q_wᵀ (overlaps the Q collective)
-    decompress(q_avgs)             # 6a.  grad = P̂·Q_avgᵀ;  Q memory = Q_avg
+rounds=2, the paper's step (P, then Q):
 
-Non-finite gradients (an AMP overflow step) make the summed P non-finite on
-every rank alike; for those matrices the error buffer is reset to zero and the
-Q memory keeps its last finite value, so later steps never see NaN/Inf. The
-decompressed gradient is left non-finite so that `GradScaler` skips the step.
+    begin_step()                  # Q̂ = orth(Q memory)  (or a fresh draw)
+    compress(param, grad)         # 1-2. M = grad + e;  P = M·Q̂            (per layer)
+    send_buffers()                # 3.   -> caller sums all P
+    project(p_sums)               # 4-5. P̂ = orth(P);  Q_w = Mᵀ·P̂         -> caller averages Q
+    update_error()                # 6b.  e = M − P̂·Q_wᵀ (overlaps the Q collective)
+    decompress(q_avgs)            # 6a.  grad = P̂·Q_avgᵀ;  Q memory = Q_avg
+    end_step()
+
+rounds=1, alternating (the authors' current code): even steps send only Q,
+odd steps only P, so every message depends only on its layer's gradient and
+on state from before the step:
+
+    begin_step()                  # even: P̂ = orth(P memory); odd: Q̂ = orth(Q memory)
+    compress(param, grad)         # M = grad + e; even: Q_w = Mᵀ·P̂, e = M − P̂·Q_wᵀ
+                                  #               odd:  P_w = M·Q̂,  e = M − P_w·Q̂ᵀ
+    send_buffers()                # -> caller averages them (the step's only round)
+    decompress(avgs)              # even: grad = P̂·Q_avgᵀ, Q memory = Q_avg
+                                  # odd:  grad = P_avg·Q̂ᵀ, P memory = P_avg
+    end_step()
+
+Either way the factor that is sent is computed against an orthonormal partner,
+so it has the gradient's scale (float16 on the wire keeps it), and the sum over
+workers of the error buffers is the sum of what was not delivered. At full
+rank (r = min(n, m)) rounds=1 always sends the factor whose partner is square,
+so the step stays exact.
+
+Non-finite gradients (an AMP overflow step) make the summed factor non-finite
+on every rank alike; for those matrices the error buffer is reset to zero and
+the memories keep their last finite value, so later steps never see NaN/Inf.
+The decompressed gradient is left non-finite so that `GradScaler` skips the step.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -120,23 +143,30 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass
 class _Group:
-    """Compressed matrices of one shape (n, m), rank r, dtype and device."""
+    """Compressed matrices of one shape (n, m), rank r, dtype and device, in one bucket."""
 
     n: int
     m: int
     rank: int
     names: list[str] = field(default_factory=list)
+    # rounds=1: the factor sent on even and on odd steps. Alternating, except
+    # at full rank, where the factor whose orthonormal partner is square goes
+    # every step (P̂·P̂ᵀ = I, or Q̂·Q̂ᵀ = I, makes that step exact).
+    sends: tuple[str, str] = ("q", "p")
     # Filled in by _Bucket.allocate(). P and Q are stored transposed, (k, r, n)
     # and (k, r, m): then both power-iteration halves read M row by row
     # (Pᵀ = Qᵀ·Mᵀ and Qᵀ = P̂ᵀ·M), which on the CPU is 2-3x faster than
     # Mᵀ·P̂ with its strided reads of M.
     matrices: torch.Tensor | None = None  # (k, n, m): M during a step, error buffer between steps
-    pt: torch.Tensor | None = None  # (k, r, n) in the compute dtype
+    pt: torch.Tensor | None = None  # (k, r, n): P (rounds=2: P, then P̂; rounds=1: P_w)
     qt_local: torch.Tensor | None = None  # (k, r, m): this worker's Q_wᵀ = P̂ᵀ·M
     qt_memory: torch.Tensor | None = None  # (k, r, m): warm start, identical on every rank
-    finite: torch.Tensor | None = None  # (k, 1, 1) bool: summed P finite this step
+    pt_memory: torch.Tensor | None = None  # (k, r, n): rounds=1 only, like qt_memory
     pt_comm: torch.Tensor | None = None  # (k, r, n) view into the bucket's P comm buffer
     qt_comm: torch.Tensor | None = None  # (k, r, m) view into the bucket's Q comm buffer
+    p_offset: int = 0  # where this group's P and Q start in the flat buffers
+    q_offset: int = 0
+    finite: torch.Tensor | None = None  # (k, 1, 1) bool: summed factor finite this step
     # float16 on the wire only: P and Q leave multiplied by these powers of two
     # (k, 1, 1), so that they sit well inside float16's range (see `_wire_scale`).
     p_scale: torch.Tensor | None = None
@@ -161,45 +191,76 @@ class _Group:
         """(k, m, r) view of the Q memory."""
         return self.qt_memory.transpose(1, 2)
 
+    @property
+    def p_memory(self) -> torch.Tensor:
+        """(k, n, r) view of the P memory (rounds=1)."""
+        return self.pt_memory.transpose(1, 2)
+
 
 class _Bucket:
-    """All groups of one (device, compute dtype): one flat P and one flat Q buffer."""
+    """The groups of one caller's bucket, device and compute dtype: one flat P and Q buffer."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, comm_dtype, seed: int):
+    def __init__(self, index, device, dtype, comm_dtype, seed: int, rounds: int):
+        self.index = index
         self.device = device
         self.dtype = dtype
         self.comm_dtype = comm_dtype or dtype
+        self.rounds = rounds
         # Scaling buys range only where the wire is narrower than the math.
         self.scaled = self.comm_dtype == torch.float16 and dtype != torch.float16
         self.groups: OrderedDict[tuple[int, int, int], _Group] = OrderedDict()
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.sent: list[str] = []  # rounds=1: "p"/"q", what send_buffers() returned
 
     def allocate(self):
-        def flat(total_per_group, dtype):
-            return torch.zeros(sum(total_per_group), dtype=dtype, device=self.device)
+        groups = list(self.groups.values())
 
-        p_sizes = [g.count * g.n * g.rank for g in self.groups.values()]
-        q_sizes = [g.count * g.m * g.rank for g in self.groups.values()]
+        def flat(sizes, dtype):
+            return torch.zeros(sum(sizes), dtype=dtype, device=self.device)
+
+        # rounds=1 sends a prefix of each flat buffer: P holds the groups that
+        # always send P first, Q those that always send Q; alternating ones next.
+        p_order = sorted(groups, key=lambda g: {"p": 0, "q": 2}.get(g.sends[0], 1))
+        q_order = sorted(groups, key=lambda g: {"q": 0, "p": 2}.get(g.sends[1], 1))
+        p_sizes = [g.count * g.n * g.rank for g in p_order]
+        q_sizes = [g.count * g.m * g.rank for g in q_order]
         self.p = flat(p_sizes, self.dtype)
         self.q_local = flat(q_sizes, self.dtype)
         self.q_memory = flat(q_sizes, self.dtype)
-        separate = self.comm_dtype != self.dtype
+        self.p_memory = flat(p_sizes, self.dtype) if self.rounds == 1 else None
         # P is summed in place, so it may share storage with its compute copy;
         # Q_w must survive its collective (the error update needs it): own buffer.
+        separate = self.comm_dtype != self.dtype
         self.p_comm = flat(p_sizes, self.comm_dtype) if separate else self.p
         self.q_comm = flat(q_sizes, self.comm_dtype)
-        p_off = q_off = 0
-        for g, p_size, q_size in zip(self.groups.values(), p_sizes, q_sizes):
+        offset = 0
+        for g, size in zip(p_order, p_sizes):
+            g.p_offset = offset
+            g.pt = self.p[offset : offset + size].view(g.count, g.rank, g.n)
+            g.pt_comm = self.p_comm[offset : offset + size].view(g.count, g.rank, g.n)
+            if self.p_memory is not None:
+                g.pt_memory = self.p_memory[offset : offset + size].view(g.count, g.rank, g.n)
+            offset += size
+        offset = 0
+        for g, size in zip(q_order, q_sizes):
+            g.q_offset = offset
+            g.qt_local = self.q_local[offset : offset + size].view(g.count, g.rank, g.m)
+            g.qt_memory = self.q_memory[offset : offset + size].view(g.count, g.rank, g.m)
+            g.qt_comm = self.q_comm[offset : offset + size].view(g.count, g.rank, g.m)
+            offset += size
+        for g in groups:
             g.matrices = torch.zeros(g.count, g.n, g.m, dtype=self.dtype, device=self.device)
-            g.pt = self.p[p_off : p_off + p_size].view(g.count, g.rank, g.n)
-            g.qt_local = self.q_local[q_off : q_off + q_size].view(g.count, g.rank, g.m)
-            g.qt_memory = self.q_memory[q_off : q_off + q_size].view(g.count, g.rank, g.m)
-            g.pt_comm = self.p_comm[p_off : p_off + p_size].view(g.count, g.rank, g.n)
-            g.qt_comm = self.q_comm[q_off : q_off + q_size].view(g.count, g.rank, g.m)
-            p_off += p_size
-            q_off += q_size
+        # How much of each buffer a rounds=1 step sends, by step parity.
+        self.p_sent = [
+            sum(s for g, s in zip(p_order, p_sizes) if g.sends[phase] == "p") for phase in (0, 1)
+        ]
+        self.q_sent = [
+            sum(s for g, s in zip(q_order, q_sizes) if g.sends[phase] == "q") for phase in (0, 1)
+        ]
         self.q_memory.normal_(generator=self.generator)
+        if self.p_memory is not None:
+            self.p_memory.normal_(generator=self.generator)
 
 
 class PowerSGDCompressor:
@@ -208,12 +269,14 @@ class PowerSGDCompressor:
     Args:
         named_tensors: (name, tensor) pairs whose gradients may be compressed;
             the tensor fixes shape, dtype and device.
-        config: the PowerSGDConfig; `rank`, `min_compression_rate`,
+        config: the PowerSGDConfig; `rank`, `rounds`, `min_compression_rate`,
             `error_feedback`, `warm_start`, `seed` and `comm_dtype` apply here.
+        bucket_of: name -> the caller's bucket (any hashable); every call that
+            takes `bucket=` then works on that bucket alone. Default: one bucket.
 
     Memory added per compressed parameter of n x m elements (compute dtype):
-    n·m for M/error buffer, plus 3·r·(n+m) for P, Q_w, Q memory (and the
-    comm_dtype copies when it differs).
+    n·m for M/error buffer, plus 3·r·(n+m) for P, Q_w, Q memory (rounds=1: and
+    the P memory), plus the comm_dtype copies when it differs.
 
     Example:
         >>> w = torch.zeros(64, 32)
@@ -221,14 +284,20 @@ class PowerSGDCompressor:
         >>> c.compressed_names
         ['w']
         >>> c.begin_step(); c.compress("w", torch.randn(64, 32))
-        >>> q = c.project(c.p_buffers())     # one worker: the "sum" is the tensor itself
+        >>> q = c.project(c.send_buffers())  # one worker: the "sum" is the tensor itself
         >>> c.update_error(); c.decompress(q)["w"].shape
         torch.Size([64, 32])
+        >>> c.end_step()
     """
 
-    def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: PowerSGDConfig):
+    def __init__(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        config: PowerSGDConfig,
+        bucket_of: Mapping[str, object] | None = None,
+    ):
         self.config = config
-        self.buckets: OrderedDict[tuple[torch.device, torch.dtype], _Bucket] = OrderedDict()
+        self.buckets: OrderedDict[tuple, _Bucket] = OrderedDict()
         self._where: dict[str, tuple[_Group, int]] = {}
         self._shapes: dict[str, torch.Size] = {}
         for name, tensor in named_tensors:
@@ -236,22 +305,28 @@ class PowerSGDCompressor:
                 continue
             n, m = matrix_shape(tensor.shape)
             dtype = compute_dtype(tensor.dtype)
-            key = (tensor.device, dtype)
+            index = None if bucket_of is None else bucket_of[name]
+            key = (index, tensor.device, dtype)
             if key not in self.buckets:
                 # Seed per bucket so that buckets draw independent, rank-identical streams.
+                seed = config.seed + len(self.buckets)
                 self.buckets[key] = _Bucket(
-                    tensor.device, dtype, config.comm_dtype, config.seed + len(self.buckets)
+                    index, tensor.device, dtype, config.comm_dtype, seed, config.rounds
                 )
             bucket = self.buckets[key]
-            shape_key = (n, m, config.matrix_rank(n, m))
-            group = bucket.groups.setdefault(shape_key, _Group(*shape_key))
+            r = config.matrix_rank(n, m)
+            group = bucket.groups.setdefault((n, m, r), _Group(n, m, r))
+            if r == n:
+                group.sends = ("q", "q")  # P̂ is n x n: P̂·P̂ᵀ·M = M
+            elif r == m:
+                group.sends = ("p", "p")  # Q̂ is m x m: M·Q̂·Q̂ᵀ = M
             self._where[name] = (group, group.count)
             self._shapes[name] = tensor.shape
             group.names.append(name)
         for bucket in self.buckets.values():
             bucket.allocate()
         self.workers = 1
-        self.steps = 0  # compressed steps completed (decompress() counts them)
+        self.steps = 0  # compressed steps completed (end_step() counts them)
 
     # --- structure ----------------------------------------------------------------
     @property
@@ -265,58 +340,88 @@ class PowerSGDCompressor:
         for bucket in self.buckets.values():
             yield from bucket.groups.values()
 
+    def _select(self, bucket) -> list[_Bucket]:
+        """The buckets a call works on: all, or those of the caller's bucket `bucket`."""
+        if bucket is None:
+            return list(self.buckets.values())
+        return [b for b in self.buckets.values() if b.index == bucket]
+
     def elements_per_step(self) -> tuple[int, int]:
-        """(elements of P, elements of Q) that one step sends, over all buckets."""
+        """(elements of P, elements of Q) of all matrices, over all buckets."""
         p = sum(b.p_comm.numel() for b in self.buckets.values())
         q = sum(b.q_comm.numel() for b in self.buckets.values())
         return p, q
 
     def bytes_per_step(self) -> int:
-        """Bytes of P plus Q that one step sends, at the dtype they travel in."""
+        """Bytes of P plus Q of all matrices, at the dtype they travel in."""
         return sum(
             (b.p_comm.numel() + b.q_comm.numel()) * b.p_comm.element_size()
             for b in self.buckets.values()
         )
 
+    @property
+    def phase(self) -> int:
+        """rounds=1: 0 on steps that send Q (of alternating matrices), 1 on those that send P."""
+        return self.steps % 2
+
     # --- one step -----------------------------------------------------------------
     def begin_step(self, workers: int = 1) -> None:
-        """Choose this step's Q: the memory (warm start) or a fresh random draw, orthonormalised.
+        """Prepare this step's orthonormal partners: from memory (warm start) or fresh.
 
-        A Q memory column that is all zero (its layer's M was zero everywhere,
-        e.g. a frozen or unused layer) would keep P = M·Q zero forever; such
-        columns are redrawn. The draw is made every step, on every rank alike,
-        so generators stay in step; it costs r·m numbers per layer, small next
+        rounds=2: Q̂ = orth(Q memory). rounds=1: the partner of the factor each
+        matrix sends this step (P̂ = orth(P memory) or Q̂ = orth(Q memory)).
+        A memory column that is all zero (its layer's M was zero everywhere,
+        e.g. a frozen or unused layer) would stay zero forever; such columns
+        are redrawn. The draw is made every step, on every rank alike, so
+        generators stay in step; it costs r·(n+m) numbers per layer, small next
         to the n·m of the gradient.
 
         Args:
             workers: how many workers sum P and Q (sets the float16 wire scale).
         """
         self.workers = workers
-        warm = self.config.warm_start and self.steps > 0
         for bucket in self.buckets.values():
-            # q_local is free until project(): use it as scratch for the draw.
+            # q_local (and, for rounds=1, p) are free until used: scratch for the draws.
             bucket.q_local.normal_(generator=bucket.generator)
-            if not self.config.warm_start:
-                bucket.q_memory.copy_(bucket.q_local)
+            if bucket.rounds == 1:
+                bucket.p.normal_(generator=bucket.generator)
             for g in bucket.groups.values():
                 g.p_scale = g.q_scale = None
-                if self.config.warm_start:
-                    norms = torch.linalg.vector_norm(g.qt_memory, dim=2, keepdim=True)
-                    torch.where(norms == 0, g.qt_local, g.qt_memory, out=g.qt_memory)
-                    if bucket.scaled and warm:
-                        # The Q memory is last step's Q_avg = Mᵀ·P̂: its column
-                        # norms are M's singular values, which bound P = M·Q̂.
-                        g.p_scale = _wire_scale(norms.amax(dim=1, keepdim=True), workers)
-                # P = M·Q against an orthonormal Q has the magnitude of M. The Q
-                # memory (last step's averaged Q) has the magnitude of M too, so
-                # M·Q_memory would scale with |M|², underflowing or overflowing
-                # float16 on the wire. P̂ = orth(P) is the same either way.
-                orthogonalize_(g.q_memory)
+                if bucket.rounds == 2:
+                    g.p_scale = self._partner(bucket, g.qt_memory, g.qt_local, self.steps > 0)
+                    continue
+                alternating = g.sends[0] != g.sends[1]
+                warm = alternating and self.steps > 0  # the partner was averaged last step
+                if g.sends[self.phase] == "q":
+                    g.q_scale = self._partner(bucket, g.pt_memory, g.pt, warm)
+                else:
+                    g.p_scale = self._partner(bucket, g.qt_memory, g.qt_local, warm)
+
+    def _partner(self, bucket, memory, draw, warm: bool):
+        """Orthonormalise `memory` (k, r, x) in place; returns the wire scale it implies.
+
+        P = M·Q̂ against an orthonormal Q̂ has the magnitude of M; the memory
+        itself (last step's average of Mᵀ·P̂ or M·Q̂) has the magnitude of M too,
+        and its column norms, M's singular values, bound the factor computed
+        against it. That bound sets the float16 wire scale (None: scale 1).
+        """
+        scale = None
+        if not self.config.warm_start:
+            memory.copy_(draw)
+        else:
+            norms = torch.linalg.vector_norm(memory, dim=2, keepdim=True)
+            torch.where(norms == 0, draw, memory, out=memory)
+            if bucket.scaled and warm:
+                scale = _wire_scale(norms.amax(dim=1, keepdim=True), self.workers)
+        orthogonalize_(memory.transpose(1, 2))
+        return scale
 
     def compress(self, name: str, grad: torch.Tensor | None) -> None:
-        """Steps 1-2 for one parameter: M = grad (+ error), P = M·Q.
+        """This parameter's part of the step that needs only its gradient.
 
-        `grad` None counts as a zero gradient (a parameter unused this step).
+        rounds=2: M = grad (+ error), P = M·Q̂. rounds=1: M = grad (+ error),
+        the factor it sends, and the new error. `grad` None counts as a zero
+        gradient (a parameter unused this step).
         """
         group, i = self._where[name]
         matrix = group.matrices[i]
@@ -328,33 +433,60 @@ class PowerSGDCompressor:
                 matrix.copy_(grad)
         elif not self.config.error_feedback:
             matrix.zero_()
-        torch.mm(group.qt_memory[i], matrix.T, out=group.pt[i])  # Pᵀ = Qᵀ·Mᵀ
+        if self.config.rounds == 2 or group.sends[self.phase] == "p":
+            torch.mm(group.qt_memory[i], matrix.T, out=group.pt[i])  # Pᵀ = Q̂ᵀ·Mᵀ
+            if self.config.rounds == 1 and self.config.error_feedback:
+                matrix.addmm_(group.pt[i].T, group.qt_memory[i], alpha=-1)  # e = M − P_w·Q̂ᵀ
+        else:
+            torch.mm(group.pt_memory[i], matrix, out=group.qt_local[i])  # Q_wᵀ = P̂ᵀ·M
+            if self.config.error_feedback:
+                matrix.addmm_(group.pt_memory[i].T, group.qt_local[i], alpha=-1)  # e = M − P̂·Q_wᵀ
 
-    def p_buffers(self) -> list[torch.Tensor]:
-        """Step 3: the flat P buffers (one per bucket) for the caller to sum in place."""
-        for bucket in self.buckets.values():
-            if bucket.p_comm is bucket.p:
+    def send_buffers(self, bucket=None) -> list[torch.Tensor]:
+        """The flat buffers of the step's first (rounds=1: only) round, to sum in place.
+
+        rounds=2: one P buffer per bucket. rounds=1: per bucket, the part of
+        the P and/or Q buffer this step sends (empty parts left out).
+        """
+        out = []
+        for b in self._select(bucket):
+            for g in b.groups.values():
+                sends = "p" if b.rounds == 2 else g.sends[self.phase]
+                if sends == "p" and b.p_comm is not b.p:
+                    g.pt_comm.copy_(g.pt if g.p_scale is None else g.pt * g.p_scale)
+                elif sends == "q":
+                    g.qt_comm.copy_(g.qt_local if g.q_scale is None else g.qt_local * g.q_scale)
+            if b.rounds == 2:
+                out.append(b.p_comm)
                 continue
-            for g in bucket.groups.values():
-                g.pt_comm.copy_(g.pt if g.p_scale is None else g.pt * g.p_scale)
-        return [bucket.p_comm for bucket in self.buckets.values()]
+            b.sent = []
+            for kind, buffer, size in (
+                ("p", b.p_comm, b.p_sent[self.phase]),
+                ("q", b.q_comm, b.q_sent[self.phase]),
+            ):
+                if size:
+                    b.sent.append(kind)
+                    out.append(buffer[:size])
+        return out
 
-    def project(self, p_sums: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Steps 4-5: orthogonalise the summed P, then Q_w = Mᵀ·P̂.
+    def project(self, p_sums: list[torch.Tensor], bucket=None) -> list[torch.Tensor]:
+        """rounds=2, steps 4-5: orthogonalise the summed P, then Q_w = Mᵀ·P̂.
 
         Args:
-            p_sums: the buffers returned by `p_buffers`, now summed (or
+            p_sums: the buffers returned by `send_buffers`, now summed (or
                 averaged) over workers.
+            bucket: the caller's bucket they belong to (None: all).
 
         Returns:
             The flat Q buffers (one per bucket) for the caller to average in place.
         """
-        for bucket, p_sum in zip(self.buckets.values(), p_sums):
-            if bucket.p_comm is not bucket.p:
-                bucket.p.copy_(p_sum)
-            for g in bucket.groups.values():
+        out = []
+        for b, p_sum in zip(self._select(bucket), p_sums):
+            if b.p_comm is not b.p:
+                b.p.copy_(p_sum)
+            for g in b.groups.values():
                 g.finite = torch.isfinite(g.p).all(dim=2, keepdim=True).all(dim=1, keepdim=True)
-                if bucket.scaled:
+                if b.scaled:
                     # Column norms of the summed P estimate M's singular values,
                     # which bound Q_w = Mᵀ·P̂ (P's own wire scale divided out).
                     norms = torch.linalg.vector_norm(g.pt, dim=2, keepdim=True).amax(dim=1)
@@ -365,98 +497,139 @@ class PowerSGDCompressor:
                 orthogonalize_(g.p)
                 torch.bmm(g.pt, g.matrices, out=g.qt_local)  # Q_wᵀ = P̂ᵀ·M
                 g.qt_comm.copy_(g.qt_local if g.q_scale is None else g.qt_local * g.q_scale)
-        return [bucket.q_comm for bucket in self.buckets.values()]
+            out.append(b.q_comm)
+        return out
 
-    def update_error(self) -> None:
-        """Step 6b: e = M − P̂·Q_wᵀ (what this worker's compression dropped).
+    def update_error(self, bucket=None) -> None:
+        """rounds=2, step 6b: e = M − P̂·Q_wᵀ (what this worker's compression dropped).
 
         Only needs this worker's Q_w, so it can run while the Q collective is in
-        flight. Without error feedback there is nothing to keep.
+        flight. Without error feedback there is nothing to keep. (rounds=1
+        keeps the error in `compress`.)
         """
-        if not self.config.error_feedback:
+        if not self.config.error_feedback or self.config.rounds == 1:
             return
-        for g in self._groups():
-            g.matrices.baddbmm_(g.p, g.qt_local, alpha=-1)
-            # On the CPU a host-side look at the flags costs nothing and saves a
-            # pass over every error buffer; on an accelerator it would stall
-            # the stream, so there the fill runs unconditionally.
-            if g.matrices.device.type != "cpu" or not bool(g.finite.all()):
-                g.matrices.masked_fill_(~g.finite, 0)
+        for b in self._select(bucket):
+            for g in b.groups.values():
+                g.matrices.baddbmm_(g.p, g.qt_local, alpha=-1)
+                self._drop_non_finite_error(g)
+
+    @staticmethod
+    def _drop_non_finite_error(g: _Group) -> None:
+        # On the CPU a host-side look at the flags costs nothing and saves a
+        # pass over every error buffer; on an accelerator it would stall the
+        # stream, so there the fill runs unconditionally.
+        if g.matrices.device.type != "cpu" or not bool(g.finite.all()):
+            g.matrices.masked_fill_(~g.finite, 0)
 
     def decompress(
-        self, q_avgs: list[torch.Tensor], out: dict[str, torch.Tensor] | None = None
+        self, avgs: list[torch.Tensor], out: dict[str, torch.Tensor] | None = None, bucket=None
     ) -> dict[str, torch.Tensor]:
-        """Step 6a: the aggregated gradient P̂·Q_avgᵀ of every compressed parameter.
+        """The aggregated gradient of every compressed parameter (of `bucket`).
 
-        Also stores Q_avg as next step's Q memory (where it is finite).
+        rounds=2 (step 6a): `avgs` are the Q buffers of `project`, averaged;
+        grad = P̂·Q_avgᵀ, and Q_avg becomes the Q memory. rounds=1: `avgs` are
+        the buffers of `send_buffers`, averaged; grad = P̂·Q_avgᵀ or P_avg·Q̂ᵀ,
+        and the averaged factor becomes its memory. Memories keep their last
+        finite value.
 
         Args:
-            q_avgs: the buffers returned by `project`, now averaged over workers.
+            avgs: the buffers, now averaged (or summed) over workers.
             out: optional name -> tensor (e.g. the parameters' `.grad`) to write
                 the gradients into, saving an allocation per step; names not in
                 it get a new tensor.
+            bucket: the caller's bucket they belong to (None: all).
 
         Returns:
             name -> gradient, shaped like the parameter.
         """
         grads: dict[str, torch.Tensor] = {}
-        for bucket, q_avg in zip(self.buckets.values(), q_avgs):
-            q_off = 0
-            for g in bucket.groups.values():
-                size = g.count * g.m * g.rank
-                qt = q_avg[q_off : q_off + size].view(g.count, g.rank, g.m).to(bucket.dtype)
-                if g.q_scale is not None:
-                    qt = qt / g.q_scale  # a power of two: exact
-                q_off += size
-                finite_q = torch.isfinite(qt).all(dim=2, keepdim=True).all(dim=1, keepdim=True)
-                torch.where(g.finite & finite_q, qt, g.qt_memory, out=g.qt_memory)
-                # The gradient uses the Q that was sent, finite or not: a
+        received = iter(avgs)
+        for b in self._select(bucket):
+            kinds = ["q"] if b.rounds == 2 else b.sent
+            buffers = {kind: next(received) for kind in kinds}
+            for g in b.groups.values():
+                sends = "q" if b.rounds == 2 else g.sends[self.phase]
+                if sends == "q":
+                    size = g.count * g.rank * g.m
+                    factor = buffers["q"][g.q_offset : g.q_offset + size]
+                    factor = factor.view(g.count, g.rank, g.m).to(b.dtype)
+                    scale, memory = g.q_scale, g.qt_memory
+                    left = g.pt if b.rounds == 2 else g.pt_memory  # P̂ᵀ
+                else:
+                    size = g.count * g.rank * g.n
+                    factor = buffers["p"][g.p_offset : g.p_offset + size]
+                    factor = factor.view(g.count, g.rank, g.n).to(b.dtype)
+                    scale, memory = g.p_scale, g.pt_memory
+                    left = None
+                if scale is not None:
+                    factor = factor / scale  # a power of two: exact
+                finite = torch.isfinite(factor).all(dim=2, keepdim=True).all(dim=1, keepdim=True)
+                if b.rounds == 2:
+                    finite = finite & g.finite
+                else:
+                    g.finite = finite
+                    if self.config.error_feedback:
+                        self._drop_non_finite_error(g)
+                torch.where(finite, factor, memory, out=memory)
+                # The gradient uses the factor that was sent, finite or not: a
                 # non-finite gradient must reach the optimizer (GradScaler skips it).
                 for i, name in enumerate(g.names):
-                    target = None if out is None else out.get(name)
-                    if (
-                        target is not None
-                        and target.is_contiguous()
-                        and target.dtype == bucket.dtype
-                    ):
-                        torch.mm(g.p[i], qt[i], out=target.view(g.n, g.m))
+                    # grad = P̂·Q_avgᵀ or P_avg·Q̂ᵀ, both (n x r)·(r x m)
+                    if left is not None:
+                        a, c = left[i].T, factor[i]
                     else:
-                        grad = (g.p[i] @ qt[i]).view(self._shapes[name])
-                        target = grad if target is None else target.copy_(grad)
-                    grads[name] = target
-        self.steps += 1
+                        a, c = factor[i].T, g.qt_memory[i]
+                    grads[name] = self._write(a, c, g, name, None if out is None else out.get(name))
         return grads
+
+    def _write(self, a, c, g: _Group, name: str, target) -> torch.Tensor:
+        """a·c into `target` (or a new tensor), shaped like the parameter."""
+        if target is not None and target.is_contiguous() and target.dtype == a.dtype:
+            torch.mm(a, c, out=target.view(g.n, g.m))
+            return target
+        grad = (a @ c).view(self._shapes[name])
+        return grad if target is None else target.copy_(grad)
+
+    def end_step(self) -> None:
+        """Close the step (rounds=1: the next one sends the other factor)."""
+        self.steps += 1
 
     # --- checkpoints --------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This worker's compressor state: error buffers, Q memory, RNG states.
+        """This worker's compressor state: error buffers, memories, RNG states, step count.
 
         Tensors are detached views (like `nn.Module.state_dict`); save them
         before the next step.
         """
-        error, memory = {}, {}
-        for g in self._groups():
-            for i, name in enumerate(g.names):
-                error[name] = g.matrices[i].detach()
-                memory[name] = g.q_memory[i].detach()
-        return {
-            "error_buffers": error,
-            "q_memory": memory,
-            "rng_states": [b.generator.get_state() for b in self.buckets.values()],
-            "steps": self.steps,
-        }
+        state = {key: {} for key in self._tensor_keys()}
+        for name in self._where:
+            for key in state:
+                state[key][name] = self._state_tensor(key, name).detach()
+        state["rng_states"] = [b.generator.get_state() for b in self.buckets.values()]
+        state["steps"] = self.steps
+        return state
 
-    def check_state_dict(self, state: dict, tensor_keys=("error_buffers", "q_memory")) -> None:
+    def _tensor_keys(self) -> tuple[str, ...]:
+        memories = ("q_memory", "p_memory") if self.config.rounds == 1 else ("q_memory",)
+        return ("error_buffers", *memories)
+
+    def check_state_dict(self, state: dict, tensor_keys=None) -> None:
         """Raise ValueError, naming the cause, if `state` does not fit this model."""
         if not isinstance(state, dict):
             raise ValueError("PowerSGD state must be a dict from state_dict()")
-        for key in (*tensor_keys, "rng_states"):
+        tensor_keys = self._tensor_keys() if tensor_keys is None else tensor_keys
+        # A checkpoint of the other schedule has no P memory: it starts fresh.
+        required = [k for k in tensor_keys if k != "p_memory"]
+        for key in (*required, "rng_states"):
             if key not in state:
                 raise ValueError(
                     f"PowerSGD state has no '{key}': not a horovod_powersgd checkpoint"
                 )
         for key in tensor_keys:
-            saved = state[key]
+            saved = state.get(key)
+            if saved is None:
+                continue
             if set(saved) != set(self._where):
                 missing = sorted(set(self._where) - set(saved))
                 extra = sorted(set(saved) - set(self._where))
@@ -480,26 +653,30 @@ class PowerSGDCompressor:
     def _state_tensor(self, key: str, name: str) -> torch.Tensor:
         """The live tensor behind `state_dict()[key][name]`."""
         group, i = self._where[name]
-        return group.matrices[i] if key == "error_buffers" else group.q_memory[i]
+        if key == "error_buffers":
+            return group.matrices[i]
+        if key == "p_memory":
+            return group.p_memory[i]
+        return group.q_memory[i]
 
     def _load(self, state: dict, tensor_keys) -> None:
         """Validate `state` (its `tensor_keys` and RNG states), then copy it in."""
         self.check_state_dict(state, tensor_keys)
         for key in tensor_keys:
-            for name, tensor in state[key].items():
+            for name, tensor in state.get(key, {}).items():
                 self._state_tensor(key, name).copy_(tensor)
         for bucket, rng in zip(self.buckets.values(), state["rng_states"]):
             bucket.generator.set_state(rng.cpu() if hasattr(rng, "cpu") else rng)
-        # Checkpoints from before the counter existed: a warm Q memory if any step ran.
+        # Checkpoints from before the counter existed: a warm memory if any step ran.
         self.steps = state.get("steps", self.steps)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()` output; validates everything before changing anything."""
-        self._load(state, ("error_buffers", "q_memory"))
+        self._load(state, self._tensor_keys())
 
     def load_shared_state(self, shared: dict) -> None:
         """Set the state equal on every rank: `shared_state()` of another worker."""
-        self._load(shared, ("q_memory",))
+        self._load(shared, self._tensor_keys()[1:])
 
     def shared_state(self) -> dict:
         """The part of `state_dict()` that is equal on every rank (all but the errors)."""

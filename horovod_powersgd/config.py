@@ -40,6 +40,9 @@ class PowerSGDConfig:
     # --- tuned by users -------------------------------------------------------
     # Rank r of the approximation P·Qᵀ; capped per tensor at min(n, m).
     rank: int = 2
+    # All-reduce rounds per step: 2 = P, then Q (the paper); 1 = alternately Q
+    # and P (the authors' current code), half the bytes and no round after backward.
+    rounds: int = 2
     # Steps of plain (uncompressed) all-reduce before compression starts.
     start_iter: int = 0
     # Compress an n x m matrix only if n·m >= rate · r · (n + m).
@@ -64,6 +67,8 @@ class PowerSGDConfig:
     def __post_init__(self):
         if not _is_int(self.rank) or self.rank < 1:
             raise ValueError(f"rank must be an integer >= 1, got {self.rank!r}")
+        if self.rounds not in (1, 2) or not _is_int(self.rounds):
+            raise ValueError(f"rounds must be 1 or 2, got {self.rounds!r}")
         if not _is_int(self.start_iter) or self.start_iter < 0:
             raise ValueError(f"start_iter must be an integer >= 0, got {self.start_iter!r}")
         rate = self.min_compression_rate

@@ -60,6 +60,46 @@ def _wait(handle):
     return hvd.synchronize(handle)
 
 
+# Gradients are sent in buckets of about this many bytes, in the order the
+# backward pass produces them (the reverse of the parameters' order, as DDP
+# assumes), so that the first buckets leave while backward still runs and
+# small tensors still travel fused.
+_BUCKET_BYTES = 4 * 2**20
+
+
+class _Bucket:
+    """Parameters whose gradients leave together, and that message's progress in a step."""
+
+    def __init__(self, index: int, params: list[torch.Tensor]):
+        self.index = index
+        self.params = params
+        self.compressed: list[torch.Tensor] = []  # filled in once the compressor decided
+        self.uncompressed: list[torch.Tensor] = []
+        self.clear()
+
+    def clear(self) -> None:
+        self.ready = 0  # gradients final this step
+        self.handles: list = []  # round 1, then (rounds=2) round 2 (None: nothing to send)
+        # Uncompressed tensors of round 1: (parameter, tensor sent, compression ctx).
+        self.sent: list = []
+        self.sent_compressed = False  # the user's compression applied (not comm_dtype)
+        self.factor_count = 0  # leading tensors of round 1 that are P/Q buffers
+        self.received: list = []  # rounds=2: round 1's uncompressed results, once back
+
+
+def _make_buckets(params: list[torch.Tensor]) -> list[_Bucket]:
+    buckets, current, size = [], [], 0
+    for p in reversed(params):
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= _BUCKET_BYTES:
+            buckets.append(_Bucket(len(buckets), current))
+            current, size = [], 0
+    if current:
+        buckets.append(_Bucket(len(buckets), current))
+    return buckets
+
+
 class _DistributedOptimizer:
     """Methods of the dynamic class `DistributedOptimizer` builds (see there).
 
@@ -104,22 +144,25 @@ class _DistributedOptimizer:
             self._check_same_model_on_every_rank()
         self._synced_world_size = process_set.size()
 
-        self.compressor = PowerSGDCompressor([(self._names[p], p) for p in self._params], config)
-        self._uncompressed = [
-            p for p in self._params if not self.compressor.is_compressed(self._names[p])
-        ]
-        self._compressed = [
-            p for p in self._params if self.compressor.is_compressed(self._names[p])
-        ]
+        self._buckets = _make_buckets(self._params)
+        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        self.compressor = PowerSGDCompressor(
+            [(self._names[p], p) for p in self._params],
+            config,
+            bucket_of={self._names[p]: b.index for p, b in self._bucket_of.items()},
+        )
+        for b in self._buckets:
+            for p in b.params:
+                compressed = self.compressor.is_compressed(self._names[p])
+                (b.compressed if compressed else b.uncompressed).append(p)
 
         # --- per step (internal) ---------------------------------------------------
         self._delay = {p: config.backward_passes_per_step for p in self._params}
         self._pending = False  # a backward pass was counted since the last synchronize()
         self._ready: set = set()  # parameters whose gradient is final for this step
-        self._round1 = None  # handle of the in-flight P (+ uncompressed) collective
-        # Per uncompressed tensor of round 1: (parameter, tensor sent, compression ctx).
-        self._sent: list = []
         self._step_begun = False
+        self._step_compressing = False  # this step sends P/Q (past start_iter)
+        self._launched: list[_Bucket] = []  # buckets whose first round is in flight
         self._synchronized = False
         self._should_synchronize = True
         self.powersgd_step = 0  # communication steps done so far
@@ -235,12 +278,15 @@ class _DistributedOptimizer:
             p.grad = p.grad.to_dense()
         if not self._step_begun:
             self._begin_step()
-        if self._compressing and self.compressor.is_compressed(self._names[p]):
-            # Steps 1-2 run here, layer by layer, while backward continues.
+        if self._step_compressing and self.compressor.is_compressed(self._names[p]):
+            # Runs layer by layer while backward continues.
             self.compressor.compress(self._names[p], p.grad)
         self._ready.add(p)
-        if len(self._ready) == len(self._params):
-            self._launch_round1()
+        bucket = self._bucket_of[p]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch(bucket)
+        self._progress()
 
     @property
     def _compressing(self) -> bool:
@@ -255,7 +301,8 @@ class _DistributedOptimizer:
         if self.process_set.size() != self._synced_world_size:
             self.compressor.reset_error()
             self._synced_world_size = self.process_set.size()
-        if self._compressing:
+        self._step_compressing = self._compressing
+        if self._step_compressing:
             self.compressor.begin_step(workers=self.process_set.size())
 
     def _scale(self):
@@ -264,13 +311,13 @@ class _DistributedOptimizer:
             return {"prescale_factor": 1.0 / f, "postscale_factor": f}
         return {}
 
-    def _allreduce_async(self, tensors: list[torch.Tensor], round_name: str):
+    def _allreduce_async(self, tensors: list[torch.Tensor], name: str):
         """One grouped all-reduce of `tensors`, counted in the statistics."""
         self._stats["elements_sent"] += sum(t.numel() for t in tensors)
         self._stats["bytes_sent"] += sum(t.numel() * t.element_size() for t in tensors)
         return hvd.grouped_allreduce_async_(
             tensors,
-            name=f"{self._name}.{round_name}",
+            name=f"{self._name}.{name}",
             op=self.op,
             process_set=self.process_set,
             **self._scale(),
@@ -289,45 +336,79 @@ class _DistributedOptimizer:
             tensor = tensor.float()  # bfloat16: Horovod 0.28 cannot reduce it
         return tensor, ctx
 
-    def _launch_round1(self):
-        """Step 3: one grouped all-reduce of all P and every uncompressed gradient."""
-        for p in self._params:
+    def _launch(self, bucket: _Bucket) -> None:
+        """The bucket's first (rounds=1: only) round: its factors and uncompressed gradients.
+
+        Called from the hook of the bucket's last gradient, so it leaves while
+        backward still runs for the layers before.
+        """
+        for p in bucket.params:
             if p.grad is None:
                 # Unused on this rank; another rank may have a gradient, so send zeros.
                 p.grad = torch.zeros_like(p)
         # Warm-up steps are plain Horovod; compressed steps send everything in
-        # comm_dtype, the uncompressed gradients included.
-        compressing = self._compressing
-        plain = self._uncompressed if compressing else self._params
+        # comm_dtype (where one is set), the uncompressed gradients included.
+        compressing = self._step_compressing
+        plain = bucket.uncompressed if compressing else bucket.params
         comm_dtype = self.config.comm_dtype if compressing else None
-        self._sent = [(p, *self._to_wire(p.grad, comm_dtype)) for p in plain]
-        self._sent_compressed = comm_dtype is None
-        p_tensors = self.compressor.p_buffers() if compressing else []
-        self._round1 = self._allreduce_async(p_tensors + [t for _, t, _ in self._sent], "round1")
-        self._round1_count = len(p_tensors)
-        self._stats["elements_uncompressed"] += self._numel
+        bucket.sent = [(p, *self._to_wire(p.grad, comm_dtype)) for p in plain]
+        bucket.sent_compressed = comm_dtype is None
+        factors = self.compressor.send_buffers(bucket.index) if compressing else []
+        bucket.factor_count = len(factors)
+        bucket.handles = [
+            self._allreduce_async(factors + [t for _, t, _ in bucket.sent], f"b{bucket.index}.r1")
+        ]
+        self._launched.append(bucket)
 
-    def _receive_uncompressed(self, outputs) -> None:
-        """Write the aggregated uncompressed gradients into `p.grad`.
+    def _progress(self) -> None:
+        """rounds=2: start the Q round of every bucket whose P round is back, without waiting."""
+        if self.config.rounds == 1 or not self._step_compressing:
+            return
+        for bucket in self._launched:
+            if len(bucket.handles) == 1 and hvd.poll(bucket.handles[0]):
+                self._second_round(bucket)
+
+    def _second_round(self, bucket: _Bucket) -> None:
+        outputs = _wait(bucket.handles[0])
+        # The uncompressed results go into p.grad in synchronize(), as Horovod's do.
+        bucket.received = outputs[bucket.factor_count :]
+        if not bucket.factor_count:
+            bucket.handles.append(None)
+            return
+        q_buffers = self.compressor.project(outputs[: bucket.factor_count], bucket.index)
+        bucket.handles.append(self._allreduce_async(q_buffers, f"b{bucket.index}.r2"))
+        self.compressor.update_error(bucket.index)  # overlapping the Q collective
+
+    def _receive_uncompressed(self, bucket: _Bucket, outputs) -> None:
+        """Write the bucket's aggregated uncompressed gradients into `p.grad`.
 
         Into the gradient as it is now, like Horovod: code that assigned a new
         tensor to `p.grad` after backward (e.g. a clamp) gets the result there.
         """
-        for (p, _, ctx), out in zip(self._sent, outputs):
-            if self._sent_compressed:
+        for (p, _, ctx), out in zip(bucket.sent, outputs):
+            if bucket.sent_compressed:
                 out = self.compression.decompress(out, ctx)
             if p.grad is None:
                 p.grad = out.to(p.dtype)
             elif out is not p.grad:
                 p.grad.copy_(out)
-        self._sent = []
+        bucket.sent = []
+
+    def _decompress(self, bucket: _Bucket, factors) -> None:
+        """The bucket's compressed gradients, written into `p.grad` as it is now."""
+        out = {self._names[p]: p.grad for p in bucket.compressed if p.grad is not None}
+        grads = self.compressor.decompress(list(factors), out=out, bucket=bucket.index)
+        for p in bucket.compressed:
+            if p.grad is None:
+                p.grad = grads[self._names[p]]
 
     # --- Horovod's optimizer interface ---------------------------------------------------
     def synchronize(self) -> None:
         """Finish this step's communication; afterwards `p.grad` holds the aggregate.
 
         Parameters whose hook did not fire (unused this step, or gradients set
-        by hand) count as ready now. Steps 4-6 run here: they need the summed P.
+        by hand) count as ready now. With rounds=2 the Q round of every bucket
+        starts as soon as its P round is back (here, or already in a hook).
         """
         if not self._active:
             self._synchronized = True
@@ -338,32 +419,38 @@ class _DistributedOptimizer:
             if p not in self._ready:
                 self._delay[p] = 0
                 self._gradient_ready(p)
-        # The last ready gradient launched round 1, unless there is no gradient at all.
-        outputs = _wait(self._round1) if self._round1 is not None else []
-        self._round1 = None
-        self._receive_uncompressed(outputs[self._round1_count :] if outputs else [])
-        if self._compressing and self._compressed:
-            p_sums = list(outputs[: self._round1_count])
-            q_buffers = self.compressor.project(p_sums)  # steps 4-5
-            round2 = self._allreduce_async(q_buffers, "round2")
-            self.compressor.update_error()  # step 6b, overlapping the Q collective
-            q_avgs = _wait(round2)
-            # step 6a, written straight into the parameters' gradients as they are now
-            grads = self.compressor.decompress(
-                list(q_avgs),
-                out={self._names[p]: p.grad for p in self._compressed if p.grad is not None},
-            )
-            for p in self._compressed:
-                if p.grad is None:
-                    p.grad = grads[self._names[p]]
+        two_rounds = self._step_compressing and self.config.rounds == 2
+        for bucket in self._buckets:
+            if two_rounds and len(bucket.handles) == 1:
+                self._second_round(bucket)
+        for bucket in self._buckets:
+            if two_rounds:
+                self._receive_uncompressed(bucket, bucket.received)
+                if bucket.handles[1] is not None:
+                    self._decompress(bucket, _wait(bucket.handles[1]))
+                continue
+            outputs = _wait(bucket.handles[0])
+            self._receive_uncompressed(bucket, outputs[bucket.factor_count :])
+            if bucket.factor_count:
+                self._decompress(bucket, outputs[: bucket.factor_count])
+        if self._step_compressing:
+            self.compressor.end_step()
         self._stats["steps"] += 1
+        self._stats["elements_uncompressed"] += self._numel
         self.powersgd_step += 1
+        self._reset_step()
+        self._synchronized = True
+
+    def _reset_step(self) -> None:
+        """Forget everything about the step in progress (after it, or on load_state_dict)."""
         self._ready.clear()
+        self._launched = []
+        for bucket in self._buckets:
+            bucket.clear()
         self._step_begun = False
         self._pending = False
         for p in self._params:
             self._delay[p] = self.config.backward_passes_per_step
-        self._synchronized = True
 
     @contextmanager
     def skip_synchronize(self):
@@ -482,15 +569,9 @@ class _DistributedOptimizer:
         ours = state_dict.pop(_STATE_KEY, None)
         if ours is not None:
             self.compressor.check_state_dict(ours["compressor"])
-        self._round1 = None
-        self._sent = []
-        self._ready.clear()
-        self._pending = False
-        self._step_begun = False
+        self._reset_step()
         self._synchronized = False
         self._should_synchronize = True
-        for p in self._params:
-            self._delay[p] = self.config.backward_passes_per_step
         self._base.load_state_dict(self, state_dict)
         if ours is None:
             warnings.warn(
@@ -539,6 +620,7 @@ def DistributedOptimizer(
     process_set=hvd.global_process_set,
     *,
     rank: int = 2,
+    rounds: int = 2,
     start_iter: int = 0,
     min_compression_rate: float = 2.0,
     error_feedback: bool = True,
@@ -645,6 +727,7 @@ def DistributedOptimizer(
     _check_groups(groups)
     config = PowerSGDConfig(
         rank=rank,
+        rounds=rounds,
         start_iter=start_iter,
         min_compression_rate=min_compression_rate,
         error_feedback=error_feedback,

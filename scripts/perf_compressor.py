@@ -55,11 +55,14 @@ def one_step(c, grads, outs) -> dict[str, float]:
     for name in c.compressed_names:
         c.compress(name, grads[name])
     t1 = time.perf_counter()
-    q = c.project(c.p_buffers())  # one worker: the "sum" is the buffer itself
+    send = getattr(c, "send_buffers", None) or c.p_buffers  # older revisions: p_buffers
+    q = c.project(send())  # one worker: the "sum" is the buffer itself
     t2 = time.perf_counter()
     c.update_error()
     t3 = time.perf_counter()
     c.decompress(q, out=outs)
+    if hasattr(c, "end_step"):  # older revisions count steps in decompress
+        c.end_step()
     t4 = time.perf_counter()
     return dict(zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)))
 

@@ -14,6 +14,7 @@ from helpers import assert_same_on_every_rank, batch, make_model, powersgd, trai
 from torch import nn
 
 import horovod_powersgd as hps
+from horovod_powersgd import optimizer as optimizer_module
 
 
 # --- Horovod's usual resume: rank 0 loads, then broadcasts ----------------------------------
@@ -68,8 +69,9 @@ def _aggregate(layer, opt, grad):
     return layer.weight.grad.clone()
 
 
+@pytest.mark.parametrize("rounds", [2, 1])
 @pytest.mark.parametrize("scale", [1e-5, 1e-3, 1.0, 1e3])
-def test_fp16_on_the_wire_stays_within_one_percent_of_float32(scale):
+def test_fp16_on_the_wire_stays_within_one_percent_of_float32(scale, rounds):
     torch.manual_seed(0)
     layers = {dtype: nn.Linear(128, 64, bias=False) for dtype in (None, torch.float16)}
     opts = {
@@ -77,6 +79,7 @@ def test_fp16_on_the_wire_stays_within_one_percent_of_float32(scale):
             torch.optim.SGD(layer.parameters(), lr=0.1),
             named_parameters=layer.named_parameters(),
             rank=4,
+            rounds=rounds,
             comm_dtype=dtype,
         )
         for dtype, layer in layers.items()
@@ -93,9 +96,9 @@ def test_fp16_on_the_wire_stays_within_one_percent_of_float32(scale):
         assert error < 0.01, (scale, step, float(error))
 
 
-def _skipped_steps(comm_dtype):
+def _skipped_steps(comm_dtype, rounds):
     model = make_model()
-    opt = powersgd(model, rank=2, comm_dtype=comm_dtype)
+    opt = powersgd(model, rank=2, comm_dtype=comm_dtype, rounds=rounds)
     scaler = torch.amp.GradScaler("cpu", init_scale=65536.0, growth_interval=10_000)
     skipped = 0
     for step in range(12):
@@ -112,9 +115,10 @@ def _skipped_steps(comm_dtype):
     return skipped, model
 
 
-def test_grad_scaler_skips_no_more_steps_with_fp16_on_the_wire():
-    skipped32, _ = _skipped_steps(None)
-    skipped16, model = _skipped_steps(torch.float16)
+@pytest.mark.parametrize("rounds", [2, 1])
+def test_grad_scaler_skips_no_more_steps_with_fp16_on_the_wire(rounds):
+    skipped32, _ = _skipped_steps(None, rounds)
+    skipped16, model = _skipped_steps(torch.float16, rounds)
     assert skipped16 <= skipped32, (skipped16, skipped32)
     for n, p in model.named_parameters():
         assert torch.isfinite(p).all()
@@ -122,7 +126,9 @@ def test_grad_scaler_skips_no_more_steps_with_fp16_on_the_wire():
 
 
 # --- gradients edited between backward() and step() ----------------------------------------
-def test_gradient_replaced_before_step_gets_the_aggregate_like_horovod():
+@pytest.mark.parametrize("rounds", [2, 1])
+def test_gradient_replaced_before_step_gets_the_aggregate_like_horovod(rounds, monkeypatch):
+    monkeypatch.setattr(optimizer_module, "_BUCKET_BYTES", 2048)  # several buckets
     grads = {}
     for kind in ("horovod", "powersgd"):
         model = make_model()
@@ -131,7 +137,11 @@ def test_gradient_replaced_before_step_gets_the_aggregate_like_horovod():
             opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
         else:  # full rank: PowerSGD's aggregate equals Horovod's average
             opt = hps.DistributedOptimizer(
-                sgd, named_parameters=model.named_parameters(), rank=64, min_compression_rate=0
+                sgd,
+                named_parameters=model.named_parameters(),
+                rank=64,
+                min_compression_rate=0,
+                rounds=rounds,
             )
         x, y = batch(0)
         F.cross_entropy(model(x), y).backward()

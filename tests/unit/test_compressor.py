@@ -27,7 +27,7 @@ def simulated_step(compressors, grads, op="average"):
         {n: c._where[n][0].matrices[c._where[n][1]].clone() for n in c.compressed_names}
         for c in compressors
     ]
-    p_bufs = [c.p_buffers() for c in compressors]
+    p_bufs = [c.send_buffers() for c in compressors]
     p_sums = [sum(bufs[i].clone() for bufs in p_bufs) for i in range(len(p_bufs[0]))]
     for bufs in p_bufs:
         for buf, total in zip(bufs, p_sums):
@@ -51,6 +51,8 @@ def simulated_step(compressors, grads, op="average"):
     for c in compressors:
         c.update_error()
     outs = [c.decompress(bufs) for c, bufs in zip(compressors, q_bufs)]
+    for c in compressors:
+        c.end_step()
     return outs, ms, locals_
 
 
@@ -243,7 +245,7 @@ def test_bfloat16_parameters_get_float32_state():
     c = PowerSGDCompressor([("w", torch.zeros(32, 48, dtype=torch.bfloat16))], PowerSGDConfig())
     c.begin_step()
     c.compress("w", torch.randn(32, 48, dtype=torch.bfloat16))
-    q = c.project(c.p_buffers())
+    q = c.project(c.send_buffers())
     c.update_error()
     out = c.decompress(q)["w"]
     assert error_buffer(c, "w").dtype == torch.float32
@@ -282,3 +284,50 @@ def test_load_state_dict_from_another_model_fails_and_changes_nothing():
         c.load_state_dict(a.state_dict())
     with pytest.raises(ValueError, match="not a horovod_powersgd checkpoint"):
         c.load_state_dict({"state": {}})
+
+
+def alternating_step(compressors, grads):
+    """One rounds=1 step on every simulated worker; the all-reduce is an average here."""
+    for c, g in zip(compressors, grads):
+        c.begin_step(workers=len(compressors))
+        for name in c.compressed_names:
+            c.compress(name, g[name])
+    sent = [c.send_buffers() for c in compressors]
+    for i in range(len(sent[0])):
+        average = sum(bufs[i].clone() for bufs in sent) / len(compressors)
+        for bufs in sent:
+            bufs[i].copy_(average)
+    outs = [c.decompress(bufs) for c, bufs in zip(compressors, sent)]
+    for c in compressors:
+        c.end_step()
+    return outs
+
+
+def test_rounds1_error_feedback_keeps_what_was_not_delivered_over_workers():
+    torch.manual_seed(11)
+    shapes = [(24, 40), (16, 64)]
+    workers = make_workers(shapes, workers=3, rank=2, rounds=1)
+    for step in range(5):  # Q-steps and P-steps
+        grads = [{f"w{i}": torch.randn(s) for i, s in enumerate(shapes)} for _ in workers]
+        m_sum = {
+            n: sum(error_buffer(c, n) + g[n] for c, g in zip(workers, grads))
+            for n in workers[0].compressed_names
+        }
+        outs = alternating_step(workers, grads)
+        for n in workers[0].compressed_names:
+            assert all(torch.equal(outs[0][n], o[n]) for o in outs), (step, n)
+            delivered = len(workers) * outs[0][n]
+            kept = sum(error_buffer(c, n) for c in workers)
+            torch.testing.assert_close(delivered + kept, m_sum[n], rtol=1e-4, atol=1e-5)
+
+
+def test_rounds1_full_rank_delivers_the_average_every_step():
+    torch.manual_seed(12)
+    shapes = [(6, 40), (30, 5)]  # r = n and r = m: the factor with a square partner goes
+    workers = make_workers(shapes, workers=2, rank=64, rounds=1, min_compression_rate=0)
+    for _ in range(3):
+        grads = [{f"w{i}": torch.randn(s) for i, s in enumerate(shapes)} for _ in workers]
+        outs = alternating_step(workers, grads)
+        for n in workers[0].compressed_names:
+            average = sum(g[n] for g in grads) / len(workers)
+            torch.testing.assert_close(outs[0][n], average, rtol=1e-4, atol=1e-5)

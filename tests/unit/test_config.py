@@ -23,6 +23,11 @@ BAD = [
     ({"comm_dtype": "float16"}, "comm_dtype"),
     ({"backward_passes_per_step": 0}, "backward_passes_per_step"),
     ({"gradient_predivide_factor": 0.0}, "gradient_predivide_factor"),
+    ({"rounds": 0}, "rounds"),
+    ({"rounds": 3}, "rounds"),
+    ({"rounds": True}, "rounds"),
+    ({"rounds": 1.0}, "rounds"),
+    ({"sparse_as_dense": 1}, "sparse_as_dense"),
 ]
 
 

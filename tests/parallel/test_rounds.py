@@ -1,0 +1,147 @@
+"""Both schedules (rounds=2: P then Q; rounds=1: alternating), in one and in many buckets.
+
+The guarantees are the same in both: full rank reproduces Horovod's average,
+parameters stay bitwise identical, a checkpoint resumes exactly, bad gradients
+never poison the state, and messages leave while backward still runs.
+"""
+
+import os
+import tempfile
+
+import horovod.torch as hvd
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_same_on_every_rank, batch, make_model, powersgd, train
+
+import horovod_powersgd as hps
+from horovod_powersgd import optimizer as optimizer_module
+
+SCHEDULES = [
+    pytest.param((rounds, buckets), id=f"rounds{rounds}-{buckets}")
+    for rounds in (1, 2)
+    for buckets in ("one-bucket", "many-buckets")
+]
+
+
+@pytest.fixture(params=SCHEDULES)
+def schedule(request, monkeypatch):
+    rounds, buckets = request.param
+    if buckets == "many-buckets":  # every layer its own bucket or two
+        monkeypatch.setattr(optimizer_module, "_BUCKET_BYTES", 2048)
+    return rounds
+
+
+def test_full_rank_equals_plain_horovod_average_on_every_step(schedule):
+    model, reference = make_model(), make_model()
+    opt = powersgd(model, rank=64, min_compression_rate=0, rounds=schedule)
+    assert len(opt.compressor.compressed_names) == 3
+    for step in range(3):  # rounds=1: Q-steps and P-steps
+        x, y = batch(step)
+        for m in (model, reference):
+            m.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+        opt.synchronize()
+        for (n, p), ref in zip(model.named_parameters(), reference.parameters()):
+            expected = hvd.allreduce(ref.grad, name=f"expected.{step}.{n}")
+            # Float tolerance for a product of orthogonal projections, relative to
+            # the whole gradient. rounds=2 computes P = M·Q̂ against last step's
+            # Q̂, which can leave P ill-conditioned: Gram-Schmidt in float32 then
+            # loses a few more digits than the alternating step.
+            error = (p.grad - expected).norm() / expected.norm()
+            assert error < (1e-3 if schedule == 2 else 1e-4), (step, n, float(error))
+        with opt.skip_synchronize():
+            opt.step()
+        for p, ref in zip(model.parameters(), reference.parameters()):
+            ref.data.copy_(p.data)
+
+
+def test_parameters_bitwise_identical_and_state_finite(schedule):
+    model = make_model()
+    opt = powersgd(model, rank=2, rounds=schedule)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    train(model, opt, steps=12)
+    for n, p in model.named_parameters():
+        assert_same_on_every_rank(p, n)
+        assert torch.isfinite(p).all()
+    state = opt.compressor.state_dict()
+    for kind in ("q_memory", "p_memory") if schedule == 1 else ("q_memory",):
+        for n, t in state[kind].items():
+            assert_same_on_every_rank(t, f"{kind}.{n}")
+
+
+def test_checkpoint_resumes_exactly(schedule):
+    directory = hvd.broadcast_object(tempfile.mkdtemp(prefix="hps-rounds-"), root_rank=0)
+    path = os.path.join(directory, "ckpt.pt")
+    model = make_model()
+    opt = powersgd(model, rank=2, rounds=schedule)
+    train(model, opt, steps=3)  # rounds=1: the next step is a P-step
+    hps.save_checkpoint(path, model, opt)
+    train(model, opt, steps=4, first_step=3)
+
+    resumed = make_model(seed=5)
+    resumed_opt = powersgd(resumed, rank=2, rounds=schedule)
+    hps.load_checkpoint(path, resumed, resumed_opt)
+    train(resumed, resumed_opt, steps=4, first_step=3)
+    for (n, a), b in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), n
+    hvd.barrier()
+
+
+def test_non_finite_gradient_on_one_rank_leaves_state_finite(schedule):
+    model = make_model()
+    opt = powersgd(model, rank=2, rounds=schedule)
+    train(model, opt, steps=3)
+    x, y = batch(3)
+    if hvd.rank() == hvd.size() - 1:
+        x[0, 0] = float("inf")
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.synchronize()
+    # the overflow reaches every rank, so GradScaler would skip the step everywhere
+    assert not all(torch.isfinite(p.grad).all() for p in model.parameters())
+    for kind, tensors in opt.compressor.state_dict().items():
+        if isinstance(tensors, dict):
+            for n, t in tensors.items():
+                assert torch.isfinite(t).all(), f"{kind}[{n}]"
+    opt.zero_grad()  # the skipped step
+    train(model, opt, steps=4, first_step=4)
+    for n, p in model.named_parameters():
+        assert_same_on_every_rank(p, n)
+        assert torch.isfinite(p).all(), n
+
+
+def test_messages_leave_while_backward_still_runs(monkeypatch):
+    monkeypatch.setattr(optimizer_module, "_BUCKET_BYTES", 2048)
+    model = make_model()
+    first = model[0].weight  # the first layer's gradient is the last one backward makes
+    launched_before_last_gradient = []
+    first.register_post_accumulate_grad_hook(
+        lambda p: launched_before_last_gradient.append(len(opt._launched))
+    )
+    opt = powersgd(model, rank=2, rounds=1)
+    assert len(opt._buckets) > 2
+    train(model, opt, steps=1)
+    # every bucket but the first layer's own had left when its gradient arrived
+    assert launched_before_last_gradient == [len(opt._buckets) - 1]
+
+
+def test_rounds1_sends_q_and_p_on_alternate_steps():
+    # 128x256 and 10x128 compressed at rank 2; the biases travel every step.
+    model = torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.Linear(128, 10))
+    opt = powersgd(model, rank=2, rounds=1)
+    q_step, p_step, biases = 2 * (256 + 128), 2 * (128 + 10), 128 + 10
+    sent = []
+    for _ in range(4):
+        before = opt.compression_stats()["elements_sent"]
+        opt.zero_grad()
+        model(torch.randn(4, 256)).sum().backward()
+        opt.step()
+        sent.append(opt.compression_stats()["elements_sent"] - before)
+    assert sent == [q_step + biases, p_step + biases] * 2
+    del opt
+    two_rounds = powersgd(model, rank=2)
+    two_rounds.zero_grad()
+    model(torch.randn(4, 256)).sum().backward()
+    two_rounds.step()
+    assert two_rounds.compression_stats()["elements_sent"] == q_step + p_step + biases
