@@ -886,8 +886,11 @@ def barrier(process_set) -> None:
 
 
 def allgather_object(obj, name: str, process_set) -> list:
-    """`obj` of every rank of `process_set`, in rank order."""
-    return hvd.allgather_object(obj, name=name, process_set=process_set)
+    """`obj` of every rank of `process_set`, in rank order.
+
+    (Horovod 0.28's hvd.allgather_object has no process_set argument.)
+    """
+    return [pickle.loads(b) for b in _allgather_bytes(pickle.dumps(obj), name, process_set)]
 
 
 def broadcast_object(obj, root_rank: int, name: str, process_set):

@@ -50,17 +50,16 @@ def main():
     state = opt.compressor.state_dict()
     finite = all(torch.isfinite(t).all() for t in state["error_buffers"].values())
     if hvd.rank() == 0:
-        print(
-            json.dumps(
-                {
-                    "size": hvd.size(),
-                    "params": [p.detach().flatten().tolist()[:8] for p in model.parameters()],
-                    "error_norm": float(sum(t.norm() for t in state["error_buffers"].values())),
-                    "finite": bool(finite),
-                    "powersgd_step": opt.powersgd_step,
-                }
-            )
-        )
+        result = {
+            "size": hvd.size(),
+            "params": [p.detach().flatten().tolist()[:8] for p in model.parameters()],
+            "error_norm": float(sum(t.norm() for t in state["error_buffers"].values())),
+            "finite": bool(finite),
+            "powersgd_step": opt.powersgd_step,
+        }
+        # One write, newline included: the launcher may put other ranks' output
+        # (a warning) between two writes, and so inside the line.
+        print(json.dumps(result) + "\n", end="")
 
 
 if __name__ == "__main__":

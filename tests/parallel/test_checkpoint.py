@@ -1,0 +1,233 @@
+"""save_checkpoint / load_checkpoint: every rank resumes exactly, or is told why not.
+
+Every rank runs every test on one checkpoint directory, rank 0's, so files
+written by one rank are seen by the others as on a shared file system.
+"""
+
+import glob
+import os
+import shutil
+import tempfile
+
+import horovod.torch as hvd
+import numpy as np
+import pytest
+import torch
+from helpers import make_model, powersgd, train
+
+import horovod_powersgd as hps
+
+
+@pytest.fixture
+def path():
+    """ckpt.pt in a fresh directory that every rank shares; removed once all are done."""
+    directory = hvd.broadcast_object(
+        tempfile.mkdtemp(prefix="hps-ckpt-") if hvd.rank() == 0 else None,
+        root_rank=0,
+        name="test.checkpoint.directory",
+    )
+    yield os.path.join(directory, "ckpt.pt")
+    hvd.barrier()
+    if hvd.rank() == 0:
+        shutil.rmtree(directory)
+
+
+def rank_file(path, rank):
+    """The one file of `rank` beside `path` (whatever the naming scheme)."""
+    [name] = glob.glob(f"{glob.escape(path)}.powersgd-*rank{rank}-of-{hvd.size()}")
+    return name
+
+
+def read_bytes(name):
+    with open(name, "rb") as f:
+        return f.read()
+
+
+def write_bytes(name, data):
+    with open(name, "wb") as f:
+        f.write(data)
+
+
+def snapshot(model, opt):
+    state = opt.compressor.state_dict()
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "error_buffers": {k: v.clone() for k, v in state["error_buffers"].items()},
+        "q_memory": {k: v.clone() for k, v in state["q_memory"].items()},
+        "step": opt.powersgd_step,
+    }
+
+
+def assert_state(model, opt, expected, error_buffers="as saved"):
+    now = snapshot(model, opt)
+    assert now["step"] == expected["step"]
+    assert all(torch.equal(a, b) for a, b in zip(now["params"], expected["params"]))
+    for name, q in expected["q_memory"].items():
+        assert torch.equal(now["q_memory"][name], q), name
+    for name, error in expected["error_buffers"].items():
+        wanted = torch.zeros_like(error) if error_buffers == "zero" else error
+        assert torch.equal(now["error_buffers"][name], wanted), name
+
+
+def test_resume_is_bit_exact(path):
+    model = make_model()
+    opt = powersgd(model, rank=2, warm_start=False)
+    train(model, opt, steps=4)
+    hps.save_checkpoint(path, model, opt, epoch=3)
+    train(model, opt, steps=4, first_step=4)
+
+    resumed = make_model(seed=123)
+    resumed_opt = powersgd(resumed, rank=2, warm_start=False)
+    extra = hps.load_checkpoint(path, resumed, resumed_opt)
+    assert extra == {"epoch": 3}
+    train(resumed, resumed_opt, steps=4, first_step=4)
+    for (n, a), b in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), n
+    assert resumed_opt.compression_stats() == opt.compression_stats()
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("damage", ["is missing", "is of another checkpoint"])
+def test_rank_file_missing_or_of_an_earlier_save_warns_and_resets_only_that_rank(
+    path, rank, damage
+):
+    model = make_model()
+    opt = powersgd(model, rank=2)
+    train(model, opt, steps=4)
+    hps.save_checkpoint(path, model, opt)
+    earlier = read_bytes(rank_file(path, 1))
+    train(model, opt, steps=4, first_step=4)
+    hps.save_checkpoint(path, model, opt)
+    saved = snapshot(model, opt)
+    if rank == 1:
+        if damage == "is missing":
+            os.remove(rank_file(path, 1))
+        else:  # as a node restored from an old backup would have it
+            write_bytes(rank_file(path, 1), earlier)
+    hvd.barrier()
+
+    resumed = make_model(seed=123)
+    resumed_opt = powersgd(resumed, rank=2)
+    if rank == 1:
+        with pytest.warns(UserWarning, match=rf"rank 1: .*rank1-of-2 {damage}.*error buffers"):
+            hps.load_checkpoint(path, resumed, resumed_opt)
+        # The checkpoint's step counter (8, never the earlier 4) and Q memory,
+        # equal on every rank, so the ranks keep training in step; residuals zero.
+        assert_state(resumed, resumed_opt, saved, error_buffers="zero")
+    else:
+        hps.load_checkpoint(path, resumed, resumed_opt)  # no warning: warnings are errors
+        assert_state(resumed, resumed_opt, saved)
+
+
+@pytest.mark.world_size(2)
+def test_no_rank_file_of_the_checkpoint_raises_on_every_rank_and_changes_nothing(path, rank):
+    model = make_model()
+    opt = powersgd(model, rank=2)
+    train(model, opt, steps=4)
+    hps.save_checkpoint(path, model, opt)
+    earlier = read_bytes(rank_file(path, rank))
+    train(model, opt, steps=2, first_step=4)
+    hps.save_checkpoint(path, model, opt)
+    write_bytes(rank_file(path, rank), earlier)  # every rank file is of the earlier save
+    hvd.barrier()
+
+    train(model, opt, steps=1, first_step=6)
+    before = snapshot(model, opt)
+    with pytest.raises(FileNotFoundError, match=r"rank\(s\) \[0, 1\].*rank0-of-2.*rank1-of-2"):
+        hps.load_checkpoint(path, model, opt)
+    assert_state(model, opt, before)
+
+
+class RunsCodeWhenLoaded:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+@pytest.mark.world_size(2)
+def test_rank_file_that_would_run_code_is_refused_on_every_rank(path, rank):
+    model = make_model()
+    opt = powersgd(model, rank=2)
+    train(model, opt, steps=2)
+    hps.save_checkpoint(path, model, opt)
+    marker = os.path.join(os.path.dirname(path), "code-ran")
+    if rank == 1:
+        name = rank_file(path, 1)
+        crafted = torch.load(name, weights_only=True)
+        crafted["powersgd"] = RunsCodeWhenLoaded(marker)
+        torch.save(crafted, name)
+    hvd.barrier()
+
+    before = snapshot(model, opt)
+    with pytest.raises(ValueError, match=r"rank\(s\) \[1\]: .*rank1-of-2.*weights_only"):
+        hps.load_checkpoint(path, model, opt)
+    assert not os.path.exists(marker)
+    assert_state(model, opt, before)  # rank 0 could read its files, and changed nothing either
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (np.float64(0.5), r"extra\['best'\] is a numpy.float64"),
+        ({"schedule": lambda step: 0.1}, r"extra\['best'\]\['schedule'\] is a builtins.function"),
+    ],
+    ids=["numpy scalar", "function in a dict"],
+)
+def test_extra_that_would_not_load_safely_is_refused_on_every_rank_before_writing(
+    path, rank, bad, message
+):
+    model = make_model()
+    opt = powersgd(model, rank=2)
+    train(model, opt, steps=1)
+    with pytest.raises(ValueError, match=rf"rank\(s\) \[1\]: {message}"):
+        hps.save_checkpoint(path, model, opt, epoch=1, best=bad if rank == 1 else 0.5)
+    hvd.barrier()
+    assert os.listdir(os.path.dirname(path)) == []
+
+    # What the docstring allows comes back as saved.
+    extra = {
+        "epoch": 1,
+        "best": 0.5,
+        "tags": ["a", None, True, 2 + 1j, b"x"],
+        "scheduler": {"last_epoch": 3, "lrs": (0.1, 0.01), "kinds": {"step"}},
+        "layout": (torch.Size([2, 3]), torch.float16, torch.device("cpu")),
+        "ema": torch.arange(3.0),
+    }
+    hps.save_checkpoint(path, model, opt, **extra)
+    loaded = hps.load_checkpoint(path, model, opt)
+    assert torch.equal(loaded.pop("ema"), extra.pop("ema"))
+    assert loaded == extra
+
+
+def test_save_that_fails_before_the_main_file_keeps_the_previous_checkpoint(
+    path, rank, monkeypatch
+):
+    model = make_model()
+    opt = powersgd(model, rank=2)
+    train(model, opt, steps=4)
+    hps.save_checkpoint(path, model, opt, epoch=1)
+    saved = snapshot(model, opt)
+    train(model, opt, steps=2, first_step=4)
+
+    save = torch.save
+
+    def main_file_fails(obj, name, *args, **kwargs):
+        if str(name).startswith(f"{path}.tmp"):
+            raise OSError("No space left on device")
+        return save(obj, name, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", main_file_fails)
+    with pytest.raises(OSError, match=r"rank\(s\) \[0\]: cannot write .*No space left"):
+        hps.save_checkpoint(path, model, opt, epoch=2)
+    monkeypatch.undo()
+
+    resumed = make_model(seed=123)
+    resumed_opt = powersgd(resumed, rank=2)
+    assert hps.load_checkpoint(path, resumed, resumed_opt) == {"epoch": 1}
+    assert_state(resumed, resumed_opt, saved)
+    # The next save that succeeds removes the files of the earlier and the failed one.
+    hps.save_checkpoint(path, resumed, resumed_opt, epoch=2)
+    assert len(glob.glob(f"{glob.escape(path)}.powersgd-*")) == hvd.size()
