@@ -27,6 +27,13 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         "--powersgd-rank", type=int, default=2, help="PowerSGD rank r; 0 = plain hvd all-reduce"
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="PowerSGD all-reduce rounds per step: 2 = P then Q, 1 = alternating",
+    )
+    parser.add_argument(
         "--start-iter", type=int, default=0, help="uncompressed steps before PowerSGD starts"
     )
     parser.add_argument(
@@ -80,6 +87,7 @@ def distributed_optimizer(optimizer, model, args):
         optimizer,
         named_parameters=model.named_parameters(),
         rank=args.powersgd_rank,
+        rounds=args.rounds,
         start_iter=args.start_iter,
         min_compression_rate=args.min_compression_rate,
         seed=args.seed,

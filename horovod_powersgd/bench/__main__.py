@@ -14,6 +14,8 @@ Configurations (``--configs``, comma separated; ``NAME:R`` picks a PowerSGD rank
   horovod-fp16   the same with hvd.Compression.fp16
   powersgd       horovod_powersgd.DistributedOptimizer at every rank of --ranks
   powersgd-fp16  the same with comm_dtype=torch.float16 (rank --compare-rank)
+  powersgd-1round, powersgd-1round-fp16
+                 the same with rounds=1, the alternating one-round step (rank --compare-rank)
   ddp            torch DistributedDataParallel over Gloo, plain all-reduce
   ddp-powersgd   DDP + torch's powerSGD_hook (rank --compare-rank), same start_iter
                  and min_compression_rate as powersgd
@@ -46,7 +48,7 @@ from .stats import Record, make_record
 from .worker import CONFIGS, DDP_CONFIGS, HOROVOD_CONFIGS
 
 DEFAULT_CONFIGS = "local,horovod,horovod-fp16,powersgd,powersgd-fp16,ddp,ddp-powersgd"
-RANKED = ("powersgd", "powersgd-fp16", "ddp-powersgd")
+RANKED = ("powersgd", "powersgd-fp16", "powersgd-1round", "powersgd-1round-fp16", "ddp-powersgd")
 
 
 def parse_configs(

@@ -21,7 +21,14 @@ import torch
 
 from .models import MODELS
 
-HOROVOD_CONFIGS = ("horovod", "horovod-fp16", "powersgd", "powersgd-fp16")
+HOROVOD_CONFIGS = (
+    "horovod",
+    "horovod-fp16",
+    "powersgd",
+    "powersgd-fp16",
+    "powersgd-1round",
+    "powersgd-1round-fp16",
+)
 DDP_CONFIGS = ("ddp", "ddp-powersgd")
 CONFIGS = ("local", *HOROVOD_CONFIGS, *DDP_CONFIGS)
 
@@ -42,9 +49,10 @@ def _setup_horovod(args, model) -> tuple[torch.optim.Optimizer, Callable[[], dic
             opt,
             named_parameters=model.named_parameters(),
             rank=args.rank,
+            rounds=1 if "1round" in args.config else 2,
             start_iter=args.start_iter,
             min_compression_rate=args.min_compression_rate,
-            comm_dtype=torch.float16 if args.config == "powersgd-fp16" else None,
+            comm_dtype=torch.float16 if args.config.endswith("fp16") else None,
         )
         counters = opt.compression_stats
     else:

@@ -295,10 +295,10 @@ def test_targets_compare_medians_of_the_same_bandwidth():
         "unlimited", 1400, 1600, 1500, 1300
     )
     rows = {row[0]: row for row in report.target_rows(records)}
-    hook = rows["resnet18: PowerSGD r2 / torch DDP powerSGD_hook r2, 200mbit"]
+    hook = rows["resnet18: PowerSGD / torch DDP powerSGD_hook, r2, 200mbit"]
     assert hook[1:] == ("1.00x", "<= 0.9x", "missed")
-    assert rows["resnet18: PowerSGD r2 / local (no communication), 200mbit"][3] == "hit"
-    assert rows["resnet18: PowerSGD r2 / plain Horovod, unlimited"][1] == "1.14x"
+    assert rows["resnet18: PowerSGD / local (no communication), r2, 200mbit"][3] == "hit"
+    assert rows["resnet18: PowerSGD / plain Horovod, r2, unlimited"][1] == "1.14x"
     assert rows["resnet18: bytes, plain / powersgd-fp16 r2"][3] == "missed"  # 248x < 260x
 
 
