@@ -89,6 +89,13 @@ def orthogonalize_(matrices: torch.Tensor) -> torch.Tensor:
         True
     """
     finfo = torch.finfo(matrices.dtype)
+    # The result does not depend on the columns' scale, but their norms do: in
+    # float32 a column of entries near 1e19 (a gradient under a huge loss
+    # scale) has an infinite norm, one near 1e-20 a zero norm. Dividing each
+    # column by its largest entry first keeps every norm between 1 and sqrt(n).
+    peak = matrices.abs().amax(dim=1, keepdim=True)  # (k, 1, r)
+    usable = (peak > 0) & torch.isfinite(peak)
+    matrices.div_(torch.where(usable, peak, torch.ones_like(peak)))
     # A column left with less than this fraction of its norm after removing the
     # columns before it is rounding noise, not a new direction: it counts as
     # zero. (Normalising it would add a spurious, non-orthogonal direction;

@@ -76,6 +76,16 @@ def test_orthogonalize_normalises_every_matrix_by_its_own_norms():
     assert torch.allclose(batch.transpose(1, 2) @ batch, eye, atol=1e-5)
 
 
+@pytest.mark.parametrize("scale", [1e-30, 1e-20, 1.0, 1e20, 1e30])
+def test_orthogonalize_does_not_depend_on_the_scale(scale):
+    # Gradients under a huge loss scale (or tiny ones) must not lose their
+    # direction to an overflowing or underflowing norm.
+    torch.manual_seed(3)
+    p = torch.randn(2, 256, 3)
+    expected = orthogonalize_(p.clone())
+    torch.testing.assert_close(orthogonalize_(p * scale), expected, rtol=1e-4, atol=1e-5)
+
+
 def test_orthogonalize_all_zero_gives_zeros_not_nan():
     batch = torch.zeros(2, 8, 3)
     batch[1, :, 0] = 1.0  # one matrix with one non-zero column, the rest zero
