@@ -156,12 +156,11 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer, map_location=N
         problem = FileNotFoundError(str(e))
     except Exception as e:  # any failure must reach the other ranks, not leave them waiting
         problem = ValueError(str(e))
-    _agree(
-        problem,
-        "load_checkpoint",
-        f"powersgd.checkpoint.{process_set.process_set_id}.load",
-        process_set,
-    )
+    name = f"powersgd.checkpoint.{process_set.process_set_id}.load"
+    _agree(problem, "load_checkpoint", name, process_set)
+    # Every rank warns alike about what any rank reset: a warning on one rank
+    # only would, under -W error, raise there and leave the others waiting.
+    notes = [n for n in allgather_object(note, f"{name}.notes", process_set) if n]
 
     # Optimizer first: it validates before changing anything, and the model
     # (checked above) cannot fail after it.
@@ -170,7 +169,8 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer, map_location=N
     optimizer.load_state_dict(optimizer_state)
     if note:
         optimizer.compressor.reset_error()
-        warnings.warn(note, stacklevel=2)
+    if notes:
+        warnings.warn("; ".join(notes), stacklevel=2)
     model.load_state_dict(main["model"])
     return main["extra"]
 

@@ -241,16 +241,30 @@ class _DistributedOptimizer:
             for theirs, mine in zip(root["q_memory"].values(), shared["q_memory"].values())
         )
         self.compressor.load_shared_state(root)
-        old_step, self.powersgd_step = self.powersgd_step, payload["step"]
-        if self.process_set.size() != self._synced_world_size:
-            self.compressor.reset_error()
-            self._synced_world_size = self.process_set.size()
-        elif changed and self.process_set.rank() != root_rank:
-            self.compressor.reset_error()
+        self.powersgd_step = payload["step"]
+        # One small all-gather tells every rank which ranks took the root's
+        # state and whether any rank saw the world change (a worker that just
+        # joined did not), so that all decide and warn alike: a warning on some
+        # ranks only would, under -W error, raise there and leave the others
+        # waiting in the next collective.
+        flags = hvd.allgather(
+            torch.tensor(
+                [[int(changed and self.process_set.rank() != root_rank),
+                  int(self.process_set.size() != self._synced_world_size)]]
+            ),
+            name=f"{self._name}.sync.changed",
+            process_set=self.process_set,
+        ).tolist()  # fmt: skip
+        self._synced_world_size = self.process_set.size()
+        took_over = [r for r, (took, _) in enumerate(flags) if took]
+        if any(resized for _, resized in flags):
+            self.compressor.reset_error()  # every residual was a share of the old world's sum
+        elif took_over:
+            if self.process_set.rank() in took_over:
+                self.compressor.reset_error()
             warnings.warn(
-                f"rank {self.process_set.rank()} took the PowerSGD state of rank {root_rank} "
-                f"(step {self.powersgd_step}; this rank was at step {old_step}): "
-                "its error buffers start at zero",
+                f"rank(s) {took_over} took the PowerSGD state of rank {root_rank} (step "
+                f"{self.powersgd_step}): their error buffers start at zero",
                 stacklevel=3,
             )
 
