@@ -68,16 +68,32 @@ demo: setup
 convergence: setup
 	$(PY) scripts/convergence.py
 
-# Speed and bytes: ResNet-18, 2 workers, every configuration side by side at
-# unlimited, 1 Gbit/s and 200 Mbit/s (tc-capped network namespaces), three
-# interleaved runs of each -> docs/benchmarks.md + .png; about 40 minutes on
-# 2 cores, so not part of `make test`.
-BENCH_ARGS ?= -np 2 --models resnet18 --bandwidth unlimited,1gbit,200mbit \
-	--configs local,horovod,horovod-fp16,powersgd,powersgd-fp16,ddp-powersgd \
-	--warmup-steps 3 --steps 10 --repeat 3
+# Speed and bytes, 2 workers, every configuration side by side at unlimited,
+# 200 Mbit/s and 50 Mbit/s (tc-capped network namespaces): ResNet-18 at rank 2
+# and the LSTM at rank 4, both schedules (rounds=2 `powersgd`, rounds=1
+# `powersgd-1round`) against local training, plain Horovod and torch's
+# powerSGD_hook -> docs/benchmarks.md + .png. Plain Horovod's LSTM at 50 Mbit/s
+# is left out (over 30 s a step). About an hour on 2 cores with BENCH_REPEAT=2,
+# so not part of `make test`; nothing else may run meanwhile.
+BENCH_REPEAT ?= 2
+BENCH_COMMON = -np 2 --warmup-steps 3 --steps 10 --repeat $(BENCH_REPEAT)
+BENCH_RESNET = $(BENCH_COMMON) --models resnet18 --bandwidth unlimited,200mbit,50mbit \
+	--configs local,horovod,powersgd:2,powersgd-1round:2,ddp-powersgd:2
+BENCH_LSTM = $(BENCH_COMMON) --models lstm --compare-rank 4 --bandwidth unlimited,200mbit \
+	--configs local,horovod,powersgd:4,powersgd-1round:4,ddp-powersgd:4
+BENCH_LSTM_50 = $(BENCH_COMMON) --models lstm --compare-rank 4 --bandwidth 50mbit \
+	--configs local,powersgd:4,powersgd-1round:4,ddp-powersgd:4
+# Bytes are the same at any speed: the float16 variants run once, unlimited.
+BENCH_FP16 = -np 2 --warmup-steps 3 --steps 2 --models resnet18 \
+	--configs powersgd-fp16:2,powersgd-1round-fp16:2
 bench: setup
 	mkdir -p build
-	$(PY) -m horovod_powersgd.bench $(BENCH_ARGS) --json build/benchmarks.json \
+	$(PY) -m horovod_powersgd.bench $(BENCH_RESNET) --json build/bench-resnet18.json
+	$(PY) -m horovod_powersgd.bench $(BENCH_LSTM) --json build/bench-lstm.json
+	$(PY) -m horovod_powersgd.bench $(BENCH_LSTM_50) --json build/bench-lstm-50.json
+	$(PY) -m horovod_powersgd.bench $(BENCH_FP16) --json build/bench-fp16.json
+	$(PY) -m horovod_powersgd.bench $(BENCH_COMMON) --from-json build/bench-resnet18.json build/bench-lstm.json \
+		build/bench-lstm-50.json build/bench-fp16.json --command-line "make bench" \
 		--plot docs/benchmarks.png --markdown docs/benchmarks.md
 
 # 2000 steps under mpirun: RSS over time and NaN/Inf checks -> docs/long_run.md

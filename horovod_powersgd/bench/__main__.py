@@ -432,7 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--from-json",
         type=Path,
-        help="run nothing: re-render table, plot and report from a --json file",
+        nargs="+",
+        help="run nothing: re-render table, plot and report from --json files (merged)",
     )
     p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
     p.add_argument("--environment", default=None, help=argparse.SUPPRESS)
@@ -479,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "timeout_s": args.timeout,
     }
     if args.from_json:
-        records = [Record(**r) for r in json.loads(args.from_json.read_text())]
+        records = [Record(**r) for path in args.from_json for r in json.loads(path.read_text())]
         command = args.command_line or "(re-rendered from saved records)"
         render(records, args, settings, command, lambda: args.environment or "")
         return 0
