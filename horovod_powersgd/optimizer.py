@@ -1,8 +1,9 @@
 """DistributedOptimizer: PowerSGD through Horovod collectives.
 
 The only module that talks to Horovod. It hooks every parameter's gradient,
-feeds the local math of `compressor.PowerSGDCompressor`, and runs the two
-communication rounds of a step, each as one fused (grouped) all-reduce.
+feeds the local math of `compressor.PowerSGDCompressor`, and sends each bucket
+of gradients as soon as backward has produced it: one fused (grouped)
+all-reduce per bucket and round (rounds=2: P, then Q; rounds=1: one factor).
 """
 
 from __future__ import annotations
@@ -652,20 +653,30 @@ def DistributedOptimizer(
     and Q (m x r) instead of n·m numbers; 1-D tensors and small matrices
     travel uncompressed in the same collective as P.
 
-    One step (W workers):
-      1. M = grad + e (e: this worker's error buffer)      -- in the gradient hook
-      2. P = M·Q̂ (Q̂: last step's Q, orthonormalised)       -- in the gradient hook
-      3. all-reduce all P and all uncompressed gradients   -- one grouped collective,
-         launched when the last gradient of the step is ready
-      4. orthogonalise each P (batched over same-shape matrices)
-      5. Q_w = Mᵀ·P; all-reduce all Q                       -- second grouped collective
-      6. grad = P·Qᵀ; e = M − P·Q_wᵀ (computed while Q is in flight)
-    Steps 1-2 overlap the backward pass; 4-6 need the summed P and run in
-    `synchronize()` (called by `step()`).
+    Gradients travel in buckets of about 4 MB of parameters, in the order the
+    backward pass produces them; a bucket leaves from the hook of its last
+    gradient while backward goes on, its uncompressed gradients with it.
+
+    One step with rounds=2 (the paper's; W workers, e: this worker's error buffer):
+      1. M = grad + e; P = M·Q̂ (Q̂: last step's Q, orthonormalised) -- gradient hook
+      2. all-reduce the bucket's P and uncompressed gradients      -- from the hook
+      3. once back: P̂ = orth(P); Q_w = Mᵀ·P̂; all-reduce the Q      -- hook or synchronize()
+      4. e = M − P̂·Q_wᵀ (while Q is in flight); grad = P̂·Q_avgᵀ   -- synchronize()
+    One step with rounds=1 (alternating: one round, half the bytes):
+      1. M = grad + e; even steps Q_w = Mᵀ·P̂ (P̂: last P, orthonormalised),
+         odd steps P_w = M·Q̂; e = M minus this worker's approximation -- gradient hook
+      2. all-reduce the bucket's factors and uncompressed gradients  -- from the hook
+      3. grad = P̂·Q_avgᵀ or P_avg·Q̂ᵀ                                 -- synchronize()
+    `step()` calls `synchronize()` first, as Horovod's does.
 
     Choosing settings:
       * rank: 1-4 for CNNs (rank 2 matches SGD on ResNet-18/CIFAR-10 in the
         paper), 4-32 for transformers and LSTMs.
+      * rounds: 2 (default) is the paper's step. 1 sends one factor per step
+        and nothing after backward, but half a power iteration per step tracks
+        the gradient worse: it needs a higher rank or a smaller learning rate
+        (it diverged at SGD lr 0.1, momentum 0.9, rank 2 on Fashion-MNIST,
+        where rounds=2 trains; docs/results/rounds.md).
       * start_iter: plain all-reduce for this many steps; about the end of the
         learning-rate warm-up.
       * compression=hvd.Compression.fp16 (or comm_dtype=torch.float16) halves
@@ -673,7 +684,8 @@ def DistributedOptimizer(
         have the gradient's scale and float16 keeps them as well as it keeps
         plain gradients. Orthogonalisation still runs in float32.
     Memory added per compressed n x m parameter: n·m (error buffer) plus
-    about 3·r·(n+m) (P, Q, Q memory), in float32 for 16-bit parameters.
+    about 3·r·(n+m) (P, Q, Q memory; rounds=1 also a P memory), in float32
+    for 16-bit parameters.
 
     Args:
         optimizer: the torch optimizer to wrap (its param_groups are reused).
@@ -694,6 +706,7 @@ def DistributedOptimizer(
         process_set: the Horovod process set to reduce over. A rank outside it
             trains on its own gradients, as with Horovod.
         rank: matrix approximation rank r (>= 1), capped at min(n, m) per tensor.
+        rounds: all-reduce rounds per step: 2 = P, then Q; 1 = Q and P alternately.
         start_iter: steps of plain all-reduce before compression starts.
         min_compression_rate: compress an n x m gradient only if
             n·m >= min_compression_rate · r · (n + m).

@@ -8,6 +8,7 @@ working tree's, so both see the same machine load.
 
     python scripts/perf_compressor.py --model resnet18 --rank 2
     python scripts/perf_compressor.py --model lstm --rank 4 --baseline-rev 8ea5326
+    python scripts/perf_compressor.py --model resnet18 --rank 2 --compare-rounds
 """
 
 from __future__ import annotations
@@ -56,10 +57,14 @@ def one_step(c, grads, outs) -> dict[str, float]:
         c.compress(name, grads[name])
     t1 = time.perf_counter()
     send = getattr(c, "send_buffers", None) or c.p_buffers  # older revisions: p_buffers
-    q = c.project(send())  # one worker: the "sum" is the buffer itself
-    t2 = time.perf_counter()
-    c.update_error()
-    t3 = time.perf_counter()
+    if getattr(c.config, "rounds", 2) == 1:  # the error is kept in compress already
+        q = send()  # one worker: the "sum" is the buffer itself
+        t2 = t3 = time.perf_counter()
+    else:
+        q = c.project(send())
+        t2 = time.perf_counter()
+        c.update_error()
+        t3 = time.perf_counter()
     c.decompress(q, out=outs)
     if hasattr(c, "end_step"):  # older revisions count steps in decompress
         c.end_step()
@@ -74,6 +79,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--baseline-rev", help="git revision to compare against")
+    parser.add_argument(
+        "--compare-rounds", action="store_true", help="also time rounds=1 (the alternating step)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -81,7 +89,10 @@ def main() -> None:
     grads = {n: torch.randn_like(p) for n, p in named}
     config = PowerSGDConfig(rank=args.rank)
     with tempfile.TemporaryDirectory() as tmp:
-        variants = {"working tree": PowerSGDCompressor(named, config)}
+        variants = {"working tree": PowerSGDCompressor(named, config)}  # rounds=2
+        if args.compare_rounds:
+            one_round = PowerSGDConfig(rank=args.rank, rounds=1)
+            variants["rounds=1"] = PowerSGDCompressor(named, one_round)
         if args.baseline_rev:
             old = load_revision(args.baseline_rev, Path(tmp))
             variants[args.baseline_rev] = old(named, config)

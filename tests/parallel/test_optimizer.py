@@ -344,7 +344,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples
 from fashion_mnist import read_idx  # noqa: E402  (the example's own IDX reader)
 
 
-def test_rank2_converges_like_plain_horovod_on_fashion_mnist():
+# rounds=1 learns here but lags: its first compressed steps start from a random
+# P memory, and half a power iteration a step catches up slowly. Measured:
+# test loss 11 % above plain Horovod's at rank 2 (12 % at rank 4), where
+# rounds=2 is within 5 % (docs/results/rounds.md).
+@pytest.mark.parametrize(("rounds", "limit"), [(2, 1.05), (1, 1.15)], ids=["rounds2", "rounds1"])
+def test_rank2_converges_like_plain_horovod_on_fashion_mnist(rounds, limit):
     images = read_idx(f"{FASHION}/train-images-idx3-ubyte.gz")[:4096].float().div(255).flatten(1)
     labels = read_idx(f"{FASHION}/train-labels-idx1-ubyte.gz")[:4096].long()
     test_x = read_idx(f"{FASHION}/t10k-images-idx3-ubyte.gz")[:1000].float().div(255).flatten(1)
@@ -352,7 +357,7 @@ def test_rank2_converges_like_plain_horovod_on_fashion_mnist():
     shard = slice(hvd.rank(), None, hvd.size())  # each rank its own share
     x, y = images[shard], labels[shard]
 
-    def run(rank):
+    def run(rank, rounds=2):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
         # A moderate step size: at lr 0.1 a single 150-step trajectory's test
@@ -361,7 +366,7 @@ def test_rank2_converges_like_plain_horovod_on_fashion_mnist():
         # over 4 data seeds x 3 PowerSGD seeds.
         sgd = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
         if rank:
-            opt = hps.DistributedOptimizer(sgd, model.named_parameters(), rank=rank)
+            opt = hps.DistributedOptimizer(sgd, model.named_parameters(), rank=rank, rounds=rounds)
         else:
             opt = hvd.DistributedOptimizer(sgd, model.named_parameters())
         g = torch.Generator().manual_seed(hvd.rank())
@@ -374,10 +379,10 @@ def test_rank2_converges_like_plain_horovod_on_fashion_mnist():
             return F.cross_entropy(model(test_x), test_y).item(), opt
 
     plain_loss, _ = run(0)
-    rank2_loss, opt = run(2)
+    loss, opt = run(2, rounds)
     assert opt.compression_stats()["ratio"] > 10
-    assert rank2_loss < 0.8  # it learned: chance level is ln(10) = 2.3
-    assert rank2_loss <= plain_loss * 1.05, (rank2_loss, plain_loss)
+    assert loss < 0.8  # it learned: chance level is ln(10) = 2.3
+    assert loss <= plain_loss * limit, (loss, plain_loss)
 
 
 def test_no_warnings_in_normal_use():
