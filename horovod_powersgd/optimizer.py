@@ -907,11 +907,6 @@ def _first_difference(mine, other, my_rank, other_rank) -> str:
 
 
 # --- collectives for other modules (only this module talks to Horovod) -------------------
-def barrier(process_set) -> None:
-    """Wait until every rank of `process_set` arrives."""
-    hvd.barrier(process_set=process_set)
-
-
 def allgather_object(obj, name: str, process_set) -> list:
     """`obj` of every rank of `process_set`, in rank order.
 
