@@ -1,9 +1,10 @@
 """DistributedOptimizer: PowerSGD through Horovod collectives.
 
 The only module that talks to Horovod. It hooks every parameter's gradient,
-feeds the local math of `compressor.PowerSGDCompressor`, and sends each bucket
-of gradients as soon as backward has produced it: one fused (grouped)
-all-reduce per bucket and round (rounds=2: P, then Q; rounds=1: one factor).
+feeds the local math of `compressor.PowerSGDCompressor`, and hands its
+collectives to `schedule.Schedule`, which sends each bucket of gradients as
+soon as backward has produced it: one fused (grouped) all-reduce per bucket
+and round (rounds=2: P, then Q; rounds=1: one factor).
 """
 
 from __future__ import annotations
@@ -25,14 +26,16 @@ import torch
 from horovod.torch.compression import FP16Compressor
 from horovod.torch.elastic import state as _elastic_state
 
-from .compressor import PowerSGDCompressor
 from .config import PowerSGDConfig
+from .schedule import Schedule
 
 # Each optimizer gets its own collective names: a count per process set, since
 # the ranks of a process set build its optimizers in the same order.
 _instances: dict = collections.defaultdict(itertools.count)
 
 _STATE_KEY = "powersgd"
+# The ctx of a gradient cast to comm_dtype for the wire (not the user's compression).
+_CAST = object()
 
 # Dtypes Horovod 0.28 can all-reduce (CPU and CUDA alike). bfloat16 is not
 # among them: bfloat16 gradients travel as float32 copies, and comm_dtype
@@ -59,46 +62,6 @@ def _wait(handle):
     while not hvd.poll(handle):
         time.sleep(_POLL_INTERVAL_S)
     return hvd.synchronize(handle)
-
-
-# Gradients are sent in buckets of about this many bytes, in the order the
-# backward pass produces them (the reverse of the parameters' order, as DDP
-# assumes), so that the first buckets leave while backward still runs and
-# small tensors still travel fused.
-_BUCKET_BYTES = 4 * 2**20
-
-
-class _Bucket:
-    """Parameters whose gradients leave together, and that message's progress in a step."""
-
-    def __init__(self, index: int, params: list[torch.Tensor]):
-        self.index = index
-        self.params = params
-        self.compressed: list[torch.Tensor] = []  # filled in once the compressor decided
-        self.uncompressed: list[torch.Tensor] = []
-        self.clear()
-
-    def clear(self) -> None:
-        self.ready = 0  # gradients final this step
-        self.handles: list = []  # round 1, then (rounds=2) round 2 (None: nothing to send)
-        # Uncompressed tensors of round 1: (parameter, tensor sent, compression ctx).
-        self.sent: list = []
-        self.sent_compressed = False  # the user's compression applied (not comm_dtype)
-        self.factor_count = 0  # leading tensors of round 1 that are P/Q buffers
-        self.received: list = []  # rounds=2: round 1's uncompressed results, once back
-
-
-def _make_buckets(params: list[torch.Tensor]) -> list[_Bucket]:
-    buckets, current, size = [], [], 0
-    for p in reversed(params):
-        current.append(p)
-        size += p.numel() * p.element_size()
-        if size >= _BUCKET_BYTES:
-            buckets.append(_Bucket(len(buckets), current))
-            current, size = [], 0
-    if current:
-        buckets.append(_Bucket(len(buckets), current))
-    return buckets
 
 
 class _DistributedOptimizer:
@@ -145,25 +108,27 @@ class _DistributedOptimizer:
             self._check_same_model_on_every_rank()
         self._synced_world_size = process_set.size()
 
-        self._buckets = _make_buckets(self._params)
-        self._bucket_of = {p: b for b in self._buckets for p in b.params}
-        self.compressor = PowerSGDCompressor(
-            [(self._names[p], p) for p in self._params],
+        # The schedule reaches back through a weak proxy, like the hooks below:
+        # a reference cycle would keep a replaced optimizer (and its hooks)
+        # alive until the garbage collector happens to run.
+        me = weakref.proxy(self)
+        self._schedule = Schedule(
+            self._params,
+            self._names,
             config,
-            bucket_of={self._names[p]: b.index for p, b in self._bucket_of.items()},
+            allreduce_async=lambda tensors, name: me._allreduce_async(tensors, name),
+            poll=hvd.poll,
+            wait=_wait,
+            to_wire=lambda grad, comm_dtype: me._to_wire(grad, comm_dtype),
+            from_wire=lambda tensor, ctx: me._from_wire(tensor, ctx),
         )
-        for b in self._buckets:
-            for p in b.params:
-                compressed = self.compressor.is_compressed(self._names[p])
-                (b.compressed if compressed else b.uncompressed).append(p)
+        self.compressor = self._schedule.compressor
 
         # --- per step (internal) ---------------------------------------------------
         self._delay = {p: config.backward_passes_per_step for p in self._params}
         self._pending = False  # a backward pass was counted since the last synchronize()
         self._ready: set = set()  # parameters whose gradient is final for this step
         self._step_begun = False
-        self._step_compressing = False  # this step sends P/Q (past start_iter)
-        self._launched: list[_Bucket] = []  # buckets whose first round is in flight
         self._synchronized = False
         self._should_synchronize = True
         self.powersgd_step = 0  # communication steps done so far
@@ -293,15 +258,11 @@ class _DistributedOptimizer:
             p.grad = p.grad.to_dense()
         if not self._step_begun:
             self._begin_step()
-        if self._step_compressing and self.compressor.is_compressed(self._names[p]):
+        if self._schedule.compressing and self.compressor.is_compressed(self._names[p]):
             # Runs layer by layer while backward continues.
             self.compressor.compress(self._names[p], p.grad)
         self._ready.add(p)
-        bucket = self._bucket_of[p]
-        bucket.ready += 1
-        if bucket.ready == len(bucket.params):
-            self._launch(bucket)
-        self._progress()
+        self._schedule.ready(p)
 
     @property
     def _compressing(self) -> bool:
@@ -316,8 +277,8 @@ class _DistributedOptimizer:
         if self.process_set.size() != self._synced_world_size:
             self.compressor.reset_error()
             self._synced_world_size = self.process_set.size()
-        self._step_compressing = self._compressing
-        if self._step_compressing:
+        self._schedule.begin(self._compressing)
+        if self._compressing:
             self.compressor.begin_step(workers=self.process_set.size())
 
     def _scale(self):
@@ -345,77 +306,15 @@ class _DistributedOptimizer:
         otherwise the user's Horovod `compression` applies, as in Horovod.
         """
         if comm_dtype is not None:
-            return (grad if grad.dtype == comm_dtype else grad.to(comm_dtype)), None
+            return (grad if grad.dtype == comm_dtype else grad.to(comm_dtype)), _CAST
         tensor, ctx = self.compression.compress(grad)
         if tensor.is_floating_point() and tensor.dtype not in _REDUCIBLE:
             tensor = tensor.float()  # bfloat16: Horovod 0.28 cannot reduce it
         return tensor, ctx
 
-    def _launch(self, bucket: _Bucket) -> None:
-        """The bucket's first (rounds=1: only) round: its factors and uncompressed gradients.
-
-        Called from the hook of the bucket's last gradient, so it leaves while
-        backward still runs for the layers before.
-        """
-        for p in bucket.params:
-            if p.grad is None:
-                # Unused on this rank; another rank may have a gradient, so send zeros.
-                p.grad = torch.zeros_like(p)
-        # Warm-up steps are plain Horovod; compressed steps send everything in
-        # comm_dtype (where one is set), the uncompressed gradients included.
-        compressing = self._step_compressing
-        plain = bucket.uncompressed if compressing else bucket.params
-        comm_dtype = self.config.comm_dtype if compressing else None
-        bucket.sent = [(p, *self._to_wire(p.grad, comm_dtype)) for p in plain]
-        bucket.sent_compressed = comm_dtype is None
-        factors = self.compressor.send_buffers(bucket.index) if compressing else []
-        bucket.factor_count = len(factors)
-        bucket.handles = [
-            self._allreduce_async(factors + [t for _, t, _ in bucket.sent], f"b{bucket.index}.r1")
-        ]
-        self._launched.append(bucket)
-
-    def _progress(self) -> None:
-        """rounds=2: start the Q round of every bucket whose P round is back, without waiting."""
-        if self.config.rounds == 1 or not self._step_compressing:
-            return
-        for bucket in self._launched:
-            if len(bucket.handles) == 1 and hvd.poll(bucket.handles[0]):
-                self._second_round(bucket)
-
-    def _second_round(self, bucket: _Bucket) -> None:
-        outputs = _wait(bucket.handles[0])
-        # The uncompressed results go into p.grad in synchronize(), as Horovod's do.
-        bucket.received = outputs[bucket.factor_count :]
-        if not bucket.factor_count:
-            bucket.handles.append(None)
-            return
-        q_buffers = self.compressor.project(outputs[: bucket.factor_count], bucket.index)
-        bucket.handles.append(self._allreduce_async(q_buffers, f"b{bucket.index}.r2"))
-        self.compressor.update_error(bucket.index)  # overlapping the Q collective
-
-    def _receive_uncompressed(self, bucket: _Bucket, outputs) -> None:
-        """Write the bucket's aggregated uncompressed gradients into `p.grad`.
-
-        Into the gradient as it is now, like Horovod: code that assigned a new
-        tensor to `p.grad` after backward (e.g. a clamp) gets the result there.
-        """
-        for (p, _, ctx), out in zip(bucket.sent, outputs):
-            if bucket.sent_compressed:
-                out = self.compression.decompress(out, ctx)
-            if p.grad is None:
-                p.grad = out.to(p.dtype)
-            elif out is not p.grad:
-                p.grad.copy_(out)
-        bucket.sent = []
-
-    def _decompress(self, bucket: _Bucket, factors) -> None:
-        """The bucket's compressed gradients, written into `p.grad` as it is now."""
-        out = {self._names[p]: p.grad for p in bucket.compressed if p.grad is not None}
-        grads = self.compressor.decompress(list(factors), out=out, bucket=bucket.index)
-        for p in bucket.compressed:
-            if p.grad is None:
-                p.grad = grads[self._names[p]]
+    def _from_wire(self, tensor: torch.Tensor, ctx) -> torch.Tensor:
+        """The aggregate of a `_to_wire` tensor (the caller copies it into p.grad)."""
+        return tensor if ctx is _CAST else self.compression.decompress(tensor, ctx)
 
     # --- Horovod's optimizer interface ---------------------------------------------------
     def synchronize(self) -> None:
@@ -434,22 +333,7 @@ class _DistributedOptimizer:
             if p not in self._ready:
                 self._delay[p] = 0
                 self._gradient_ready(p)
-        two_rounds = self._step_compressing and self.config.rounds == 2
-        for bucket in self._buckets:
-            if two_rounds and len(bucket.handles) == 1:
-                self._second_round(bucket)
-        for bucket in self._buckets:
-            if two_rounds:
-                self._receive_uncompressed(bucket, bucket.received)
-                if bucket.handles[1] is not None:
-                    self._decompress(bucket, _wait(bucket.handles[1]))
-                continue
-            outputs = _wait(bucket.handles[0])
-            self._receive_uncompressed(bucket, outputs[bucket.factor_count :])
-            if bucket.factor_count:
-                self._decompress(bucket, outputs[: bucket.factor_count])
-        if self._step_compressing:
-            self.compressor.end_step()
+        self._schedule.finish()
         self._stats["steps"] += 1
         self._stats["elements_uncompressed"] += self._numel
         self.powersgd_step += 1
@@ -459,9 +343,7 @@ class _DistributedOptimizer:
     def _reset_step(self) -> None:
         """Forget everything about the step in progress (after it, or on load_state_dict)."""
         self._ready.clear()
-        self._launched = []
-        for bucket in self._buckets:
-            bucket.clear()
+        self._schedule.reset()
         self._step_begun = False
         self._pending = False
         for p in self._params:
