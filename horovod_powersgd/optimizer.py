@@ -82,8 +82,8 @@ class _DistributedOptimizer:
         self.config = config
         self.compression = compression
         self.op = op
-        # Accepted for Horovod compatibility: every round already travels as one
-        # fused collective, so explicit groups change nothing that is sent.
+        # Accepted for Horovod compatibility: gradients already travel fused, in
+        # buckets (schedule.py), so explicit groups change nothing that is sent.
         self.groups = groups
         self.process_set = process_set
         set_id = process_set.process_set_id
