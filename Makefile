@@ -63,10 +63,12 @@ demo: setup
 		--mpi-args="--mca mpi_yield_when_idle 1" \
 		$(PY) examples/fashion_mnist.py --powersgd-rank 2 --epochs 1
 
-# Plain Horovod vs PowerSGD ranks 1, 2, 4 on both examples -> docs/results/;
-# about an hour or more on 2 cores, so not part of `make test`.
+# Issue 14's campaign -> docs/results/convergence.md: Fashion-MNIST 10 epochs x 3 seeds
+# (plain; rank 2 in both schedules; ranks 1, 4), the start_iter study, the LSTM on the
+# whole corpus (plain vs rank 4, both schedules, 2 seeds). Many hours on 2 cores, so not
+# part of `make test`; rerun to resume, or pass CONVERGENCE_ARGS="--parts fashion,warmup".
 convergence: setup
-	$(PY) scripts/convergence.py
+	$(PY) scripts/convergence.py $(CONVERGENCE_ARGS)
 
 # Speed and bytes, 2 workers, every configuration side by side at unlimited,
 # 200 Mbit/s and 50 Mbit/s (tc-capped network namespaces): ResNet-18 at rank 2

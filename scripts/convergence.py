@@ -1,32 +1,52 @@
-"""Plain Horovod vs PowerSGD ranks 1, 2, 4 on both examples (what `make convergence` runs).
+"""Convergence campaign: plain Horovod vs PowerSGD, both schedules, several seeds.
 
-Every run uses 2 workers launched with horovodrun, the same seed and the same
-hyper-parameters; only ``--powersgd-rank`` differs. Each run writes its
-per-epoch JSON under docs/results/convergence/, and after every run this script
-rewrites docs/results/convergence.md and the PNG plots from all the JSON files
-there, so an interrupted campaign still documents what finished.
+What `make convergence` runs (issue 14). Three parts, each a list of runs:
 
-    python scripts/convergence.py                      # everything (hours on 2 cores)
-    python scripts/convergence.py --only fashion_mnist --ranks 0,2 --cnn-epochs 1
-    python scripts/convergence.py --report-only        # rebuild the report from the JSON files
+- ``fashion``: Fashion-MNIST CNN, 10 epochs, seeds 42/43/44: plain Horovod, rank 2 with
+  ``rounds=2`` and ``rounds=1``, rank 1 and rank 4 with the default schedule.
+- ``warmup``: rank 2 with ``start_iter`` 100 and one epoch (469 steps) on Fashion-MNIST;
+  ``start_iter`` 0 is the rank-2 run of ``fashion``. The learning rate is constant, so a
+  run's epoch-2 record is what a 2-epoch run would give; the report reads both horizons
+  from the same runs.
+- ``lstm``: the LSTM language model on the whole Python-docs corpus, plain vs rank 4 in
+  both schedules, seeds 42/43, ``--lm-epochs`` epochs (validation perplexity and the
+  learning-rate drops are in every epoch's record, so "flattened" can be read off).
+
+Runs are ordered so that a campaign cut short still answers the main questions (seed 42
+of every configuration first). Every run writes its JSON and log under
+docs/results/convergence/; a run whose JSON is complete is skipped, so rerunning the
+same command resumes where it stopped. After every run the report
+(docs/results/convergence.md) and plots are rebuilt from all JSON files there.
+
+    python scripts/convergence.py                          # fashion, warmup, lstm (many hours)
+    python scripts/convergence.py --parts fashion,warmup   # Fashion-MNIST only
+    python scripts/convergence.py --deadline 09:40         # start no run after 09:40 UTC
+    python scripts/convergence.py --report-only            # rebuild the report
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_BIN = os.path.join(ROOT, ".venv", "bin")
 
+# The launcher settings the README recommends: without yield-when-idle, a rank waiting in
+# MPI spins on a core the other rank needs (2 workers on 2 cores).
+MPI_ARGS = "--mca mpi_yield_when_idle 1"
+
 EXAMPLES = {
-    # name: (script, metric key in "final"/"epochs", label, higher is better)
+    # name: (script, metric key, label, higher is better)
     "fashion_mnist": ("examples/fashion_mnist.py", "test_accuracy", "test accuracy", True),
     "lstm_language_model": (
         "examples/lstm_language_model.py",
@@ -35,6 +55,30 @@ EXAMPLES = {
         False,
     ),
 }
+FASHION_STEPS_PER_EPOCH = 469  # 60,000 images / (2 workers x 64)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration; its runs differ only by seed."""
+
+    example: str
+    rank: int  # 0 = plain Horovod
+    rounds: int = 2
+    start_iter: int = 0
+
+    @property
+    def key(self) -> str:
+        if self.rank == 0:
+            return f"{self.example}-plain"
+        return f"{self.example}-r{self.rank}-rounds{self.rounds}-si{self.start_iter}"
+
+    @property
+    def label(self) -> str:
+        if self.rank == 0:
+            return "plain Horovod"
+        text = f"rank {self.rank}, rounds={self.rounds}"
+        return text + (f", start_iter {self.start_iter}" if self.start_iter else "")
 
 
 def parse_args(argv=None):
@@ -42,75 +86,83 @@ def parse_args(argv=None):
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--np", type=int, default=2, help="workers per run")
-    p.add_argument("--ranks", default="0,2,4,1", help="PowerSGD ranks, 0 = plain Horovod")
-    p.add_argument(
-        "--only", default=None, help="run one example (fashion_mnist or lstm_language_model)"
-    )
-    p.add_argument("--cnn-epochs", type=int, default=2, help="Fashion-MNIST epochs")
-    p.add_argument("--lm-epochs", type=int, default=2, help="LSTM epochs")
-    p.add_argument(
-        "--lm-train-tokens", type=int, default=200000, help="LSTM training tokens; 0 = all"
-    )
-    p.add_argument("--lm-eval-tokens", type=int, default=30000, help="LSTM eval tokens; 0 = all")
-    p.add_argument("--seed", type=int, default=42, help="the same seed for every run")
-    p.add_argument(
-        "--extra",
-        default="",
-        help="more flags for every run, e.g. '--max-steps 3' for a smoke test",
-    )
+    p.add_argument("--parts", default="fashion,warmup,lstm", help="fashion, warmup, lstm")
+    p.add_argument("--seeds", default="42,43,44", help="Fashion-MNIST seeds")
+    p.add_argument("--lm-seeds", default="42,43", help="LSTM seeds")
+    p.add_argument("--cnn-epochs", type=int, default=10, help="Fashion-MNIST epochs")
+    p.add_argument("--lm-epochs", type=int, default=8, help="LSTM epochs")
+    p.add_argument("--lm-train-tokens", type=int, default=0, help="LSTM training tokens; 0 = all")
+    p.add_argument("--lm-eval-tokens", type=int, default=0, help="LSTM eval tokens; 0 = all")
+    p.add_argument("--extra", default="", help="more flags for every run ('--max-steps 3')")
+    p.add_argument("--deadline", default=None, help="HH:MM UTC: start no run after this time")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "results"), help="report folder")
     p.add_argument("--rerun", action="store_true", help="rerun runs that already finished")
     p.add_argument("--report-only", action="store_true", help="only rebuild the report")
     return p.parse_args(argv)
 
 
+def _ints(text):
+    return [int(x) for x in text.split(",") if x]
+
+
 def run_plan(args):
-    """(name, example, argv) of every run, ordered so the headline pairs come first."""
-    ranks = [int(r) for r in args.ranks.split(",")]
-    common = ["--seed", str(args.seed), "--no-progress", *shlex.split(args.extra)]
-    per_example = {
-        "fashion_mnist": [*common, "--epochs", str(args.cnn_epochs)],
-        "lstm_language_model": [
-            *common,
-            "--epochs",
-            str(args.lm_epochs),
-            "--train-subset",
-            str(args.lm_train_tokens),
-            "--eval-subset",
-            str(args.lm_eval_tokens),
-        ],
-    }
-    # Headline comparisons first (CNN plain vs rank 2, LSTM plain vs rank 4), the rest after,
-    # so a campaign cut short still answers the main question.
-    order = [("fashion_mnist", 0), ("fashion_mnist", 2), ("lstm_language_model", 0)]
-    order += [("lstm_language_model", 4)]
-    order += [(e, r) for e in EXAMPLES for r in ranks if (e, r) not in order]
+    """[(name, config, seed, argv)] in the order they run."""
+    parts = set(args.parts.split(","))
+    unknown = parts - {"fashion", "warmup", "lstm"}
+    if unknown:
+        raise SystemExit(f"unknown --parts {sorted(unknown)}; use fashion, warmup, lstm")
+    seeds, lm_seeds = _ints(args.seeds), _ints(args.lm_seeds)
+    plain, r2 = Config("fashion_mnist", 0), Config("fashion_mnist", 2)
+    r2_one = Config("fashion_mnist", 2, rounds=1)
+    others = [Config("fashion_mnist", 1), Config("fashion_mnist", 4)]
+    warmups = [Config("fashion_mnist", 2, start_iter=s) for s in (100, FASHION_STEPS_PER_EPOCH)]
+    lstm = [Config("lstm_language_model", 0)]
+    lstm += [Config("lstm_language_model", 4, rounds=r) for r in (2, 1)]
+
+    order = []  # (config, seed): seed 42 of everything first, then the other seeds
+    if "fashion" in parts:
+        order += [(c, seeds[0]) for c in (plain, r2, r2_one, *others)]
+    if "warmup" in parts:
+        order += [(c, seeds[0]) for c in warmups]
+    if "fashion" in parts:
+        order += [(c, s) for s in seeds[1:] for c in (plain, r2, r2_one)]
+        order += [(c, s) for s in seeds[1:] for c in others]
+    if "lstm" in parts:
+        order += [(c, s) for s in lm_seeds for c in lstm]
+
     plan = []
-    for example, rank in order:
-        if rank not in ranks or (args.only and example != args.only):
-            continue
-        plan.append(
-            (
-                f"{example}-rank{rank}",
-                example,
-                [*per_example[example], "--powersgd-rank", str(rank)],
-            )
-        )
+    for config, seed in order:
+        argv = ["--seed", str(seed), "--no-progress", "--powersgd-rank", str(config.rank)]
+        argv += ["--rounds", str(config.rounds), "--start-iter", str(config.start_iter)]
+        if config.example == "fashion_mnist":
+            argv += ["--epochs", str(args.cnn_epochs)]
+        else:
+            argv += ["--epochs", str(args.lm_epochs), "--train-subset", str(args.lm_train_tokens)]
+            argv += ["--eval-subset", str(args.lm_eval_tokens)]
+        plan.append((f"{config.key}-s{seed}", config, seed, argv + shlex.split(args.extra)))
     return plan
 
 
-def run_one(name, example, argv, args, runs_dir):
+def _past(deadline):
+    if not deadline:
+        return False
+    hours, minutes = (int(x) for x in deadline.split(":"))
+    now = time.gmtime()
+    return (now.tm_hour, now.tm_min) >= (hours, minutes)
+
+
+def run_one(name, config, argv, args, runs_dir):
     json_path = os.path.join(runs_dir, f"{name}.json")
     log_path = os.path.join(runs_dir, f"{name}.log")
     if os.path.exists(json_path) and not args.rerun:
         with open(json_path) as f:
-            if "final" in json.load(f):
+            if "launch" in json.load(f):
                 print(f"[convergence] {name}: already done, skipping", flush=True)
                 return
-    script = EXAMPLES[example][0]
     command = [
         os.path.join(VENV_BIN, "horovodrun"), "-np", str(args.np), "-H", f"localhost:{args.np}",
-        os.path.join(VENV_BIN, "python"), script, *argv, "--json", os.path.relpath(json_path, ROOT),
+        f"--mpi-args={MPI_ARGS}", os.path.join(VENV_BIN, "python"), EXAMPLES[config.example][0],
+        *argv, "--json", os.path.relpath(json_path, ROOT),
     ]  # fmt: skip
     shown = " ".join(
         shlex.quote(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c) for c in command
@@ -122,11 +174,12 @@ def run_one(name, example, argv, args, runs_dir):
     with open(log_path, "w") as log:
         proc = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     wall = time.time() - start
-    if proc.returncode != 0:
+    if proc.returncode != 0 or not os.path.exists(json_path):
         print(f"[convergence] {name}: FAILED (exit {proc.returncode}), see {log_path}", flush=True)
         return
     with open(json_path) as f:
         record = json.load(f)
+    record["config"] = {"key": config.key, "label": config.label, **config.__dict__}
     record["launch"] = {
         "command": f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']} {shown}",
         "wall_s": wall,
@@ -139,61 +192,107 @@ def run_one(name, example, argv, args, runs_dir):
     print(f"[convergence] {name}: done in {wall:.0f} s", flush=True)
 
 
+# --- the report ---------------------------------------------------------------------------
+
+
 def load_runs(runs_dir):
-    runs = {}
+    """{config key: [records, sorted by seed]} of finished runs."""
+    groups = {}
     for name in sorted(os.listdir(runs_dir)) if os.path.isdir(runs_dir) else []:
-        if name.endswith(".json"):
-            with open(os.path.join(runs_dir, name)) as f:
-                record = json.load(f)
-            if "final" in record and "launch" in record:
-                runs[name[: -len(".json")]] = record
-    return runs
+        if not name.endswith(".json"):
+            continue
+        with open(os.path.join(runs_dir, name)) as f:
+            record = json.load(f)
+        if "final" in record and "launch" in record and "config" in record:
+            groups.setdefault(record["config"]["key"], []).append(record)
+    for records in groups.values():
+        records.sort(key=lambda r: r["args"]["seed"])
+    return groups
 
 
-def _rank(record):
-    return record["args"]["powersgd_rank"]
+def _config(records):
+    c = records[0]["config"]
+    return Config(c["example"], c["rank"], c["rounds"], c["start_iter"])
 
 
-def _fmt_metric(example, value):
-    return f"{100 * value:.2f} %" if example == "fashion_mnist" else f"{value:.1f}"
+def _scale(example):
+    return 100.0 if example == "fashion_mnist" else 1.0
 
 
-def write_plots(runs, out_dir):
+def _value(record, epoch=None):
+    """The example's metric after `epoch` (default: the last), in report units."""
+    key = EXAMPLES[record["example"]][1]
+    e = record["epochs"][-1 if epoch is None else epoch - 1]
+    return _scale(record["example"]) * e[key]
+
+
+def _ratio_through(record, epoch):
+    """Uncompressed bytes / bytes sent, over epochs 1..epoch."""
+    sent = sum(e["bytes_sent"] for e in record["epochs"][:epoch])
+    full = sum(e["bytes_sent"] * e["ratio"] for e in record["epochs"][:epoch])
+    return full / sent
+
+
+def _spread(values):
+    """'mean ± sample std (min-max)' text; the std is '—' for one seed."""
+    mean = statistics.fmean(values)
+    std = f"{statistics.stdev(values):.2f}" if len(values) > 1 else "—"
+    return mean, f"{mean:.2f} ± {std} ({min(values):.2f}-{max(values):.2f})"
+
+
+def _epoch_seconds(records):
+    return statistics.median(e["train_time_s"] for r in records for e in r["epochs"])
+
+
+def _finite(records):
+    return all(math.isfinite(_value(r)) for r in records)
+
+
+def write_plots(groups, out_dir):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     paths = {}
-    for example, (_script, key, label, _higher) in EXAMPLES.items():
-        records = sorted(
-            (r for r in runs.values() if r["example"] == example), key=lambda r: _rank(r)
-        )
-        if not records:
+    for example, (_script, _key, label, _higher) in EXAMPLES.items():
+        mine = [g for g in groups.values() if g[0]["example"] == example]
+        if not mine:
             continue
-        fig, (by_epoch, by_bytes) = plt.subplots(1, 2, figsize=(11, 4))
-        for r in records:
-            name = f"PowerSGD rank {_rank(r)}" if _rank(r) else "plain Horovod"
-            epochs = [e["epoch"] for e in r["epochs"]]
-            values = [e[key] * (100 if example == "fashion_mnist" else 1) for e in r["epochs"]]
-            sent, total = [], 0
-            for e in r["epochs"]:
-                total += e["bytes_sent"]
-                sent.append(total / 1e6)
-            by_epoch.plot(epochs, values, marker="o", label=name)
-            by_bytes.plot(sent, values, marker="o", label=name)
+        fig, (by_epoch, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for records in sorted(mine, key=lambda g: _config(g).key):
+            epochs = min(len(r["epochs"]) for r in records)
+            xs = list(range(1, epochs + 1))
+            per_seed = [[_value(r, e) for e in xs] for r in records]
+            mean = [statistics.fmean(v) for v in zip(*per_seed)]
+            low = [min(v) for v in zip(*per_seed)]
+            high = [max(v) for v in zip(*per_seed)]
+            mb = [
+                statistics.fmean(sum(e["bytes_sent"] for e in r["epochs"][:k]) for r in records)
+                / 1e6
+                for k in xs
+            ]
+            name = f"{_config(records).label} ({len(records)} seed{'s' * (len(records) > 1)})"
+            (line,) = by_epoch.plot(xs, mean, marker="o", markersize=3, label=name)
+            by_epoch.fill_between(xs, low, high, color=line.get_color(), alpha=0.2)
+            by_bytes.plot(mb, mean, marker="o", markersize=3, color=line.get_color(), label=name)
+            by_bytes.fill_between(mb, low, high, color=line.get_color(), alpha=0.2)
         unit = " (%)" if example == "fashion_mnist" else ""
-        by_epoch.set(xlabel="epoch", ylabel=label + unit, title=f"{example}: {label} per epoch")
+        title = f"{example}: {label}, mean over seeds, band = min-max"
+        by_epoch.set(xlabel="epoch", ylabel=label + unit, title=title)
         by_bytes.set(
             xlabel="MB sent per worker (cumulative, log scale)",
             ylabel=label + unit,
             title=f"{example}: {label} vs bytes sent",
             xscale="log",
         )
+        if example != "fashion_mnist":
+            for ax in (by_epoch, by_bytes):
+                ax.set_yscale("log")
         by_epoch.xaxis.get_major_locator().set_params(integer=True)
         for ax in (by_epoch, by_bytes):
             ax.grid(alpha=0.3)
-            ax.legend()
+        by_epoch.legend(fontsize=7)
         fig.tight_layout()
         path = os.path.join(out_dir, f"convergence_{example}.png")
         fig.savefig(path, dpi=110)
@@ -202,18 +301,150 @@ def write_plots(runs, out_dir):
     return paths
 
 
-def write_report(runs, out_dir):
-    plots = write_plots(runs, out_dir)
+def _summary_table(example, groups):
+    label = EXAMPLES[example][2]
+    unit = "pp" if example == "fashion_mnist" else "%"
+    plain = groups.get(Config(example, 0).key)
+    plain_mean = statistics.fmean(_value(r) for r in plain) if plain else None
     lines = [
-        "# Convergence: plain Horovod vs PowerSGD",
+        f"| configuration | seeds | epochs | final {label}: mean ± std (min-max) | vs plain "
+        "| bytes / epoch / worker | fewer bytes | train time / epoch (median) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key in sorted(groups, key=lambda k: (_config(groups[k]).rank, k)):
+        records = groups[key]
+        if records[0]["example"] != example:
+            continue
+        values = [_value(r) for r in records]
+        if _finite(records):
+            mean, text = _spread(values)
+        else:
+            mean, text = (
+                float("nan"),
+                "diverged (NaN) in "
+                + ", ".join(
+                    str(r["args"]["seed"]) for r in records if not math.isfinite(_value(r))
+                ),
+            )
+        if plain_mean is None or _config(records).rank == 0 or not math.isfinite(mean):
+            delta = "—"
+        elif example == "fashion_mnist":
+            delta = f"{mean - plain_mean:+.2f} pp"
+        else:
+            delta = f"{100 * (mean / plain_mean - 1):+.1f} %"
+        epochs = len(records[0]["epochs"])
+        per_epoch = statistics.fmean(r["final"]["bytes_sent"] / epochs for r in records)
+        ratios = [r["final"]["ratio"] for r in records]
+        ratio = f"{min(ratios):.1f}x" + (
+            f"-{max(ratios):.1f}x" if max(ratios) - min(ratios) > 0.05 else ""
+        )
+        seeds = ",".join(str(r["args"]["seed"]) for r in records)
+        lines.append(
+            f"| {_config(records).label} | {seeds} | {epochs} | {text} | {delta} "
+            f"| {per_epoch / 1e6:.1f} MB | {ratio} | {_epoch_seconds(records):.0f} s |"
+        )
+    return lines, unit
+
+
+def _warmup_table(groups):
+    configs = [Config("fashion_mnist", 0)]
+    configs += [Config("fashion_mnist", 2, start_iter=s) for s in (0, 100, 469)]
+    present = [c for c in configs if c.key in groups]
+    if len(present) < 2:
+        return []
+    lines = [
+        "| configuration | seeds | accuracy after 2 epochs | fewer bytes (2 epochs) "
+        "| accuracy after 10 epochs | fewer bytes (10 epochs) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in present:
+        records = groups[c.key]
+        row = [c.label, ",".join(str(r["args"]["seed"]) for r in records)]
+        for epoch in (2, 10):
+            have = [r for r in records if len(r["epochs"]) >= epoch]
+            if not have:
+                row += ["—", "—"]
+                continue
+            row.append(f"{statistics.fmean(_value(r, epoch) for r in have):.2f} %")
+            row.append(f"{statistics.fmean(_ratio_through(r, epoch) for r in have):.1f}x")
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+# (example, rank, rounds, start_iter): (largest loss vs plain, least compression) of issue 14
+TARGETS = {
+    ("fashion_mnist", 2, 2, 0): (0.3, 100.0),
+    ("fashion_mnist", 2, 1, 0): (0.3, 200.0),
+    ("fashion_mnist", 1, 2, 0): (1.0, None),
+    ("lstm_language_model", 4, 2, 0): (2.0, 35.0),
+    ("lstm_language_model", 4, 1, 0): (2.0, 35.0),
+}
+
+
+def _targets(groups):
+    """One line per target of issue 14 whose configuration and plain baseline both ran."""
+    lines = []
+    for (example, rank, rounds, start_iter), (loss, ratio) in TARGETS.items():
+        plain = groups.get(Config(example, 0).key)
+        records = groups.get(Config(example, rank, rounds, start_iter).key)
+        if not plain or not records:
+            continue
+        label = Config(example, rank, rounds, start_iter).label
+        plain_mean = statistics.fmean(_value(r) for r in plain)
+        seeds = f"{len(records)} seed{'s' * (len(records) > 1)} vs {len(plain)}"
+        fewer = min(r["final"]["ratio"] for r in records)
+        if not _finite(records):
+            lines.append(f"- {example}, {label}: **missed**, diverged (NaN); {seeds}.")
+            continue
+        mean = statistics.fmean(_value(r) for r in records)
+        if example == "fashion_mnist":
+            delta, unit = mean - plain_mean, "pp"
+            behind = -delta
+        else:
+            delta, unit = 100 * (mean / plain_mean - 1), "%"
+            behind = delta
+        ok = behind <= loss and (ratio is None or fewer >= ratio)
+        want = f"within {loss} {unit}" + (f", >= {ratio:.0f}x fewer bytes" if ratio else "")
+        lines.append(
+            f"- {example}, {label}: {'**met**' if ok else '**missed**'} ({want}): "
+            f"{delta:+.2f} {unit} vs plain (mean), {fewer:.1f}x fewer bytes; {seeds}."
+        )
+    return lines
+
+
+def _per_epoch_table(example, groups):
+    key = EXAMPLES[example][1]
+    extra = example == "lstm_language_model"
+    head = "| configuration | seed | epoch | " + EXAMPLES[example][2]
+    head += " | valid perplexity | lr" if extra else ""
+    lines = [head + " | train loss | train time |", "|---" * (8 if extra else 6) + "|"]
+    for k in sorted(groups):
+        for r in groups[k]:
+            if r["example"] != example:
+                continue
+            for e in r["epochs"]:
+                cells = [_config(groups[k]).label, str(r["args"]["seed"]), str(e["epoch"])]
+                cells.append(f"{_scale(example) * e[key]:.2f}")
+                if extra:
+                    cells += [f"{e['valid_perplexity']:.1f}", f"{e['lr']:g}"]
+                cells += [f"{e['train_loss']:.4f}", f"{e['train_time_s']:.0f} s"]
+                lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_report(groups, out_dir):
+    plots = write_plots(groups, out_dir)
+    lines = [
+        "# Convergence: plain Horovod vs PowerSGD, both schedules, several seeds",
         "",
-        "Written by `scripts/convergence.py` (`make convergence`) from the per-run JSON files in",
-        "[`convergence/`](convergence/); every number below was measured by that script. Each run:",
-        "2 workers on one 2-core machine (`horovodrun -np 2 -H localhost:2`), the same seed and",
-        "hyper-parameters, only `--powersgd-rank` differs (0 = plain `hvd.DistributedOptimizer`).",
-        "Bytes are per worker, as counted by `compression_stats()` (plain: every gradient once per",
-        "step at float32). Wall times come from a shared machine whose load average is listed;",
-        "they measure this machine's contention, not PowerSGD's speed (the benchmark does that).",
+        "Written by `scripts/convergence.py` (`make convergence`) from the per-run JSON files",
+        "in [`convergence/`](convergence/); every number below was measured by that script.",
+        "Each run: 2 workers on one 2-core machine,",
+        f'`horovodrun -np 2 -H localhost:2 --mpi-args="{MPI_ARGS}"` with',
+        "`OMP_NUM_THREADS=1` (the README's launch settings). Runs of one configuration differ",
+        "only by seed; configurations differ only by the PowerSGD flags shown. Bytes are per",
+        "worker, as counted by `compression_stats()` (plain: every gradient once per step at",
+        "float32). Times are the median training time of one epoch (evaluation excluded).",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}.",
@@ -223,52 +454,36 @@ def write_report(runs, out_dir):
     if os.path.exists(notes):
         with open(notes) as f:
             lines += [f.read().rstrip(), ""]
-    for example, (_script, key, label, _higher) in EXAMPLES.items():
-        records = sorted(
-            (r for r in runs.values() if r["example"] == example), key=lambda r: _rank(r)
-        )
+    targets = _targets(groups)
+    if targets:
+        lines += ["## Targets (issue 14), from the runs below", "", *targets, ""]
+    for example in EXAMPLES:
         lines += [f"## {example}", ""]
-        if not records:
+        mine = {k: g for k, g in groups.items() if g[0]["example"] == example}
+        if not mine:
             lines += ["Not run yet.", ""]
             continue
-        plain = next((r for r in records if _rank(r) == 0), None)
-        lines += [
-            f"| method | epochs | final {label} | vs plain | bytes / epoch / worker | ratio "
-            "| wall time | load avg (1 min, start/end) |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for r in records:
-            final = r["final"][key]
-            if plain is None or r is plain:
-                delta = "—"
-            elif example == "fashion_mnist":
-                delta = f"{100 * (final - plain['final'][key]):+.2f} pp"
-            else:
-                delta = f"{100 * (final / plain['final'][key] - 1):+.1f} %"
-            per_epoch = r["final"]["bytes_sent"] / len(r["epochs"])
-            load = r["launch"]["loadavg_before"][0], r["launch"]["loadavg_after"][0]
-            name = f"PowerSGD rank {_rank(r)}" if _rank(r) else "plain Horovod"
-            lines.append(
-                f"| {name} | {len(r['epochs'])} | {_fmt_metric(example, final)} | {delta} "
-                f"| {per_epoch / 1e6:.1f} MB | {r['final']['ratio']:.1f}x "
-                f"| {r['launch']['wall_s'] / 60:.1f} min | {load[0]:.1f} / {load[1]:.1f} |"
-            )
-        lines += ["", "Per epoch:", ""]
-        lines += [f"| method | epoch | {label} | bytes sent | ratio | wall time |"]
-        lines += ["|---|---|---|---|---|---|"]
-        for r in records:
-            name = f"rank {_rank(r)}" if _rank(r) else "plain"
-            for e in r["epochs"]:
-                lines.append(
-                    f"| {name} | {e['epoch']} | {_fmt_metric(example, e[key])} "
-                    f"| {e['bytes_sent'] / 1e6:.1f} MB | {e['ratio']:.1f}x "
-                    f"| {e['wall_time_s']:.0f} s |"
-                )
+        table, _unit = _summary_table(example, mine)
+        lines += [*table, ""]
+        if example == "fashion_mnist":
+            warm = _warmup_table(mine)
+            if warm:
+                lines += ["### Warm-up (`start_iter`), rank 2, `rounds=2`", ""]
+                lines += [
+                    "The learning rate is constant, so the epoch-2 record of a 10-epoch run is",
+                    "the result of a 2-epoch run with the same seed; both horizons come from",
+                    "the same runs. `start_iter` 469 is one epoch.",
+                    "",
+                    *warm,
+                    "",
+                ]
         if example in plots:
-            lines += ["", f"![{example}]({plots[example]})"]
-        lines += ["", "Commands (from the repository root):", "", "```"]
-        lines += [r["launch"]["command"] for r in records]
-        lines += ["```", ""]
+            lines += [f"![{example}]({plots[example]})", ""]
+        lines += ["Commands (from the repository root), one per run:", "", "```"]
+        lines += [r["launch"]["command"] for k in sorted(mine) for r in mine[k]]
+        lines += ["```", "", "<details><summary>Every epoch of every run</summary>", ""]
+        lines += _per_epoch_table(example, mine)
+        lines += ["", "</details>", ""]
     with open(os.path.join(out_dir, "convergence.md"), "w") as f:
         f.write("\n".join(lines))
 
@@ -278,8 +493,11 @@ def main(argv=None):
     runs_dir = os.path.join(args.out, "convergence")
     os.makedirs(runs_dir, exist_ok=True)
     if not args.report_only:
-        for name, example, run_argv in run_plan(args):
-            run_one(name, example, run_argv, args, runs_dir)
+        for name, config, _seed, run_argv in run_plan(args):
+            if _past(args.deadline):
+                print(f"[convergence] deadline {args.deadline} UTC passed; stopping", flush=True)
+                break
+            run_one(name, config, run_argv, args, runs_dir)
             write_report(load_runs(runs_dir), args.out)
     write_report(load_runs(runs_dir), args.out)
     print(f"[convergence] report: {os.path.join(args.out, 'convergence.md')}", flush=True)

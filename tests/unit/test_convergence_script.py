@@ -1,0 +1,127 @@
+"""scripts/convergence.py: what the campaign runs, how it resumes, and what the report claims."""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+import convergence
+
+
+def flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def test_plan_covers_issue_14_and_runs_seed_42_of_everything_first():
+    plan = convergence.run_plan(convergence.parse_args([]))
+    names = [name for name, *_ in plan]
+    assert len(names) == len(set(names)), "two runs would share one JSON file"
+    runs = {(c.example, c.rank, c.rounds, c.start_iter, seed) for _, c, seed, _ in plan}
+    for seed in (42, 43, 44):
+        for rank, rounds in ((0, 2), (2, 2), (2, 1), (1, 2), (4, 2)):
+            assert ("fashion_mnist", rank, rounds, 0, seed) in runs
+    for start_iter in (100, 469):
+        assert ("fashion_mnist", 2, 2, start_iter, 42) in runs
+    for seed in (42, 43):
+        for rank, rounds in ((0, 2), (4, 2), (4, 1)):
+            assert ("lstm_language_model", rank, rounds, 0, seed) in runs
+    fashion = [seed for _, c, seed, _ in plan if c.example == "fashion_mnist"]
+    first_other = fashion.index(43)
+    assert set(fashion[:first_other]) == {42} and 42 not in fashion[first_other:]
+    assert plan[0][1].rank == 0, "the baseline runs first"
+
+
+def test_plan_passes_every_setting_to_the_example():
+    args = convergence.parse_args(["--parts", "fashion,lstm", "--extra", "--max-steps 3"])
+    for _name, config, seed, argv in convergence.run_plan(args):
+        assert int(flag(argv, "--seed")) == seed
+        assert int(flag(argv, "--powersgd-rank")) == config.rank
+        assert int(flag(argv, "--rounds")) == config.rounds
+        assert int(flag(argv, "--start-iter")) == config.start_iter
+        assert argv[-2:] == ["--max-steps", "3"]
+        if config.example == "lstm_language_model":
+            assert flag(argv, "--train-subset") == "0", "the whole corpus"
+            assert flag(argv, "--epochs") == "8"
+        else:
+            assert flag(argv, "--epochs") == "10"
+
+
+def test_unknown_part_is_refused():
+    with pytest.raises(SystemExit, match="unknown --parts"):
+        convergence.run_plan(convergence.parse_args(["--parts", "fashion,cifar"]))
+
+
+def fake_record(config, seed, accuracies, ratio):
+    epochs = [
+        {
+            "epoch": i + 1,
+            "test_accuracy": a,
+            "train_loss": 0.5,
+            "train_time_s": 40.0,
+            "bytes_sent": int(3.2e9 / ratio),
+            "ratio": ratio,
+        }
+        for i, a in enumerate(accuracies)
+    ]
+    return {
+        "example": config.example,
+        "args": {"seed": seed},
+        "epochs": epochs,
+        "final": {
+            "test_accuracy": accuracies[-1],
+            "ratio": ratio,
+            "bytes_sent": sum(e["bytes_sent"] for e in epochs),
+        },
+        "config": {"key": config.key, "label": config.label, **config.__dict__},
+        "launch": {"command": f"run {config.key} {seed}"},
+    }
+
+
+def write_runs(folder, records):
+    os.makedirs(folder, exist_ok=True)
+    for r in records:
+        name = f"{r['config']['key']}-s{r['args']['seed']}.json"
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(r, f)
+
+
+def test_targets_compare_seed_means_and_name_misses(tmp_path):
+    plain = convergence.Config("fashion_mnist", 0)
+    r2 = convergence.Config("fashion_mnist", 2)
+    r2_one = convergence.Config("fashion_mnist", 2, rounds=1)
+    runs = [fake_record(plain, s, [0.90, a], 1.0) for s, a in ((42, 0.920), (43, 0.918))]
+    # Mean 0.9175 vs 0.919: 0.15 pp behind -> met at 104x.
+    runs += [fake_record(r2, s, [0.89, a], 104.5) for s, a in ((42, 0.916), (43, 0.919))]
+    # One seed diverged: a miss, whatever the other seed did.
+    runs += [fake_record(r2_one, 42, [0.88, 0.921], 203.0)]
+    runs += [fake_record(r2_one, 43, [0.88, float("nan")], 203.0)]
+    write_runs(tmp_path / "convergence", runs)
+    groups = convergence.load_runs(str(tmp_path / "convergence"))
+    lines = convergence._targets(groups)
+    assert len(lines) == 2, lines
+    assert "rank 2, rounds=2: **met**" in lines[0] and "-0.15 pp" in lines[0]
+    assert "rank 2, rounds=1: **missed**" in lines[1] and "diverged" in lines[1]
+
+    convergence.write_report(groups, str(tmp_path))
+    report = (tmp_path / "convergence.md").read_text()
+    assert "91.75 ± 0.21 (91.60-91.90) | -0.15 pp" in report
+    assert "diverged (NaN) in 43" in report
+    assert (tmp_path / "convergence_fashion_mnist.png").stat().st_size > 10_000
+    # The warm-up table reads epoch 2 from the same runs.
+    assert "| rank 2, rounds=2 | 42,43 | 91.75 % | 104.5x |" in report
+
+
+def test_a_finished_run_is_not_run_again(tmp_path, monkeypatch):
+    config = convergence.Config("fashion_mnist", 2)
+    args = convergence.parse_args(["--out", str(tmp_path)])
+    write_runs(tmp_path / "convergence", [fake_record(config, 42, [0.9], 104.5)])
+
+    def no_launch(*a, **k):
+        raise AssertionError("a finished run was launched again")
+
+    monkeypatch.setattr(convergence.subprocess, "run", no_launch)
+    convergence.run_one(
+        f"{config.key}-s42", config, ["--seed", "42"], args, str(tmp_path / "convergence")
+    )
