@@ -301,6 +301,18 @@ def write_plots(groups, out_dir):
     return paths
 
 
+def _late_mean(records, last=3):
+    """Mean over seeds and over the last `last` epochs: less sensitive to one noisy epoch."""
+    values = [_value(r, e) for r in records for e in range(1, len(r["epochs"]) + 1)[-last:]]
+    return statistics.fmean(values)
+
+
+def _delta(example, value, plain):
+    if example == "fashion_mnist":
+        return f"{value - plain:+.2f} pp"
+    return f"{100 * (value / plain - 1):+.1f} %"
+
+
 def _summary_table(example, groups):
     label = EXAMPLES[example][2]
     unit = "pp" if example == "fashion_mnist" else "%"
@@ -308,8 +320,9 @@ def _summary_table(example, groups):
     plain_mean = statistics.fmean(_value(r) for r in plain) if plain else None
     lines = [
         f"| configuration | seeds | epochs | final {label}: mean ± std (min-max) | vs plain "
-        "| bytes / epoch / worker | fewer bytes | train time / epoch (median) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| last 3 epochs: mean | vs plain | bytes / epoch / worker | fewer bytes "
+        "| train time / epoch (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key in sorted(groups, key=lambda k: (_config(groups[k]).rank, k)):
         records = groups[key]
@@ -326,12 +339,12 @@ def _summary_table(example, groups):
                     str(r["args"]["seed"]) for r in records if not math.isfinite(_value(r))
                 ),
             )
+        late = _late_mean(records)
         if plain_mean is None or _config(records).rank == 0 or not math.isfinite(mean):
-            delta = "—"
-        elif example == "fashion_mnist":
-            delta = f"{mean - plain_mean:+.2f} pp"
+            delta = late_delta = "—"
         else:
-            delta = f"{100 * (mean / plain_mean - 1):+.1f} %"
+            delta = _delta(example, mean, plain_mean)
+            late_delta = _delta(example, late, _late_mean(plain))
         epochs = len(records[0]["epochs"])
         per_epoch = statistics.fmean(r["final"]["bytes_sent"] / epochs for r in records)
         ratios = [r["final"]["ratio"] for r in records]
@@ -341,7 +354,8 @@ def _summary_table(example, groups):
         seeds = ",".join(str(r["args"]["seed"]) for r in records)
         lines.append(
             f"| {_config(records).label} | {seeds} | {epochs} | {text} | {delta} "
-            f"| {per_epoch / 1e6:.1f} MB | {ratio} | {_epoch_seconds(records):.0f} s |"
+            f"| {late:.2f} | {late_delta} | {per_epoch / 1e6:.1f} MB | {ratio} "
+            f"| {_epoch_seconds(records):.0f} s |"
         )
     return lines, unit
 

@@ -107,6 +107,8 @@ def test_targets_compare_seed_means_and_name_misses(tmp_path):
     convergence.write_report(groups, str(tmp_path))
     report = (tmp_path / "convergence.md").read_text()
     assert "91.75 ± 0.21 (91.60-91.90) | -0.15 pp" in report
+    # Last 3 epochs (here both): rank 2 89, 91.6, 89, 91.9; plain 90, 92, 90, 91.8.
+    assert "| 90.38 | -0.58 pp |" in report
     assert "diverged (NaN) in 43" in report
     assert (tmp_path / "convergence_fashion_mnist.png").stat().st_size > 10_000
     # The warm-up table reads epoch 2 from the same runs.
