@@ -4,10 +4,10 @@ What `make convergence` runs (issue 14). Three parts, each a list of runs:
 
 - ``fashion``: Fashion-MNIST CNN, 10 epochs, seeds 42/43/44: plain Horovod, rank 2 with
   ``rounds=2`` and ``rounds=1``, rank 1 and rank 4 with the default schedule.
-- ``warmup``: rank 2 with ``start_iter`` 100 and one epoch (469 steps) on Fashion-MNIST;
-  ``start_iter`` 0 is the rank-2 run of ``fashion``. The learning rate is constant, so a
-  run's epoch-2 record is what a 2-epoch run would give; the report reads both horizons
-  from the same runs.
+- ``warmup``: rank 2 with ``start_iter`` 100 and one epoch (469 steps) on Fashion-MNIST,
+  the same seeds; ``start_iter`` 0 is the rank-2 run of ``fashion``. The learning rate
+  is constant, so a run's epoch-2 record is what a 2-epoch run would give; the report
+  reads both horizons from the same runs.
 - ``lstm``: the LSTM language model on the whole Python-docs corpus, plain vs rank 4 in
   both schedules, seeds 42/43, ``--lm-epochs`` epochs (validation perplexity and the
   learning-rate drops are in every epoch's record, so "flattened" can be read off).
@@ -127,6 +127,8 @@ def run_plan(args):
     if "fashion" in parts:
         order += [(c, s) for s in seeds[1:] for c in (plain, r2, r2_one)]
         order += [(c, s) for s in seeds[1:] for c in others]
+    if "warmup" in parts:
+        order += [(c, s) for s in seeds[1:] for c in warmups]
     if "lstm" in parts:
         order += [(c, s) for s in lm_seeds for c in lstm]
 
@@ -307,6 +309,12 @@ def _late_mean(records, last=3):
     return statistics.fmean(values)
 
 
+def _paired(plain, records):
+    """The plain runs with the seeds of `records` (all plain runs if none match)."""
+    seeds = {r["args"]["seed"] for r in records}
+    return [r for r in plain if r["args"]["seed"] in seeds] or plain
+
+
 def _delta(example, value, plain):
     if example == "fashion_mnist":
         return f"{value - plain:+.2f} pp"
@@ -317,7 +325,6 @@ def _summary_table(example, groups):
     label = EXAMPLES[example][2]
     unit = "pp" if example == "fashion_mnist" else "%"
     plain = groups.get(Config(example, 0).key)
-    plain_mean = statistics.fmean(_value(r) for r in plain) if plain else None
     lines = [
         f"| configuration | seeds | epochs | final {label}: mean ± std (min-max) | vs plain "
         "| last 3 epochs: mean | vs plain | bytes / epoch / worker | fewer bytes "
@@ -340,11 +347,12 @@ def _summary_table(example, groups):
                 ),
             )
         late = _late_mean(records)
-        if plain_mean is None or _config(records).rank == 0 or not math.isfinite(mean):
+        if not plain or _config(records).rank == 0 or not math.isfinite(mean):
             delta = late_delta = "—"
         else:
-            delta = _delta(example, mean, plain_mean)
-            late_delta = _delta(example, late, _late_mean(plain))
+            same = _paired(plain, records)
+            delta = _delta(example, mean, statistics.fmean(_value(r) for r in same))
+            late_delta = _delta(example, late, _late_mean(same))
         epochs = len(records[0]["epochs"])
         per_epoch = statistics.fmean(r["final"]["bytes_sent"] / epochs for r in records)
         ratios = [r["final"]["ratio"] for r in records]
@@ -366,14 +374,18 @@ def _warmup_table(groups):
     present = [c for c in configs if c.key in groups]
     if len(present) < 2:
         return []
+    # Only the seeds every row has, so that rows differ by start_iter alone.
+    seeds = set.intersection(*({r["args"]["seed"] for r in groups[c.key]} for c in present))
     lines = [
-        "| configuration | seeds | accuracy after 2 epochs | fewer bytes (2 epochs) "
-        "| accuracy after 10 epochs | fewer bytes (10 epochs) |",
+        f"Seeds {', '.join(map(str, sorted(seeds)))} (those every row has), mean over them.",
+        "",
+        "| configuration | accuracy after 2 epochs | fewer bytes (2 epochs) "
+        "| accuracy after 10 epochs | fewer bytes (10 epochs) | epochs 8-10: mean |",
         "|---|---|---|---|---|---|",
     ]
     for c in present:
-        records = groups[c.key]
-        row = [c.label, ",".join(str(r["args"]["seed"]) for r in records)]
+        records = [r for r in groups[c.key] if r["args"]["seed"] in seeds]
+        row = [c.label]
         for epoch in (2, 10):
             have = [r for r in records if len(r["epochs"]) >= epoch]
             if not have:
@@ -381,6 +393,7 @@ def _warmup_table(groups):
                 continue
             row.append(f"{statistics.fmean(_value(r, epoch) for r in have):.2f} %")
             row.append(f"{statistics.fmean(_ratio_through(r, epoch) for r in have):.1f}x")
+        row.append(f"{_late_mean(records):.2f} %")
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
@@ -404,8 +417,10 @@ def _targets(groups):
         if not plain or not records:
             continue
         label = Config(example, rank, rounds, start_iter).label
+        plain = _paired(plain, records)
         plain_mean = statistics.fmean(_value(r) for r in plain)
-        seeds = f"{len(records)} seed{'s' * (len(records) > 1)} vs {len(plain)}"
+        seeds = "seeds " + ",".join(str(r["args"]["seed"]) for r in records)
+        seeds += " vs plain " + ",".join(str(r["args"]["seed"]) for r in plain)
         fewer = min(r["final"]["ratio"] for r in records)
         if not _finite(records):
             lines.append(f"- {example}, {label}: **missed**, diverged (NaN); {seeds}.")
