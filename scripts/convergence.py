@@ -323,7 +323,6 @@ def _delta(example, value, plain):
 
 def _summary_table(example, groups):
     label = EXAMPLES[example][2]
-    unit = "pp" if example == "fashion_mnist" else "%"
     plain = groups.get(Config(example, 0).key)
     lines = [
         f"| configuration | seeds | epochs | final {label}: mean ± std (min-max) | vs plain "
@@ -365,7 +364,7 @@ def _summary_table(example, groups):
             f"| {late:.2f} | {late_delta} | {per_epoch / 1e6:.1f} MB | {ratio} "
             f"| {_epoch_seconds(records):.0f} s |"
         )
-    return lines, unit
+    return lines
 
 
 def _warmup_table(groups):
@@ -492,8 +491,7 @@ def write_report(groups, out_dir):
         if not mine:
             lines += ["Not run yet.", ""]
             continue
-        table, _unit = _summary_table(example, mine)
-        lines += [*table, ""]
+        lines += [*_summary_table(example, mine), ""]
         if example == "fashion_mnist":
             warm = _warmup_table(mine)
             if warm:

@@ -80,11 +80,13 @@ def fake_record(config, seed, accuracies, ratio):
 
 
 def write_runs(folder, records):
+    """Writes the records as a campaign would; returns them as the report loads them."""
     os.makedirs(folder, exist_ok=True)
     for r in records:
         name = f"{r['config']['key']}-s{r['args']['seed']}.json"
         with open(os.path.join(folder, name), "w") as f:
             json.dump(r, f)
+    return convergence.load_runs(str(folder))
 
 
 def test_targets_compare_seed_means_and_name_misses(tmp_path):
@@ -97,8 +99,7 @@ def test_targets_compare_seed_means_and_name_misses(tmp_path):
     # One seed diverged: a miss, whatever the other seed did.
     runs += [fake_record(r2_one, 42, [0.88, 0.921], 203.0)]
     runs += [fake_record(r2_one, 43, [0.88, float("nan")], 203.0)]
-    write_runs(tmp_path / "convergence", runs)
-    groups = convergence.load_runs(str(tmp_path / "convergence"))
+    groups = write_runs(tmp_path / "convergence", runs)
     lines = convergence._targets(groups)
     assert len(lines) == 2, lines
     assert "rank 2, rounds=2: **met**" in lines[0] and "-0.15 pp" in lines[0]
@@ -122,11 +123,10 @@ def test_comparisons_pair_seeds_with_plain(tmp_path):
     runs = [fake_record(plain, s, [0.9, a], 1.0) for s, a in ((42, 0.92), (43, 0.90))]
     runs += [fake_record(r2, s, [0.9, a], 104.5) for s, a in ((42, 0.918), (43, 0.899))]
     runs += [fake_record(warm, 42, [0.9, 0.917], 8.7)]  # seed 42 only
-    write_runs(tmp_path / "convergence", runs)
-    groups = convergence.load_runs(str(tmp_path / "convergence"))
+    groups = write_runs(tmp_path / "convergence", runs)
     # Against plain seed 42 alone (92.0), not the mean of 42 and 43 (91.0).
     assert "| rank 2, rounds=2, start_iter 100 | 42 | 2 | 91.70 ± — (91.70-91.70) | -0.30 pp" in (
-        "\n".join(convergence._summary_table("fashion_mnist", groups)[0])
+        "\n".join(convergence._summary_table("fashion_mnist", groups))
     )
     warmup = "\n".join(convergence._warmup_table(groups))
     assert "Seeds 42 (those every row has)" in warmup
