@@ -440,6 +440,35 @@ def _targets(groups):
     return lines
 
 
+FLAT = 1.0  # % a later epoch may still improve validation perplexity and count as flat
+
+
+def _flattening_table(groups):
+    """Per LSTM run: where validation perplexity stopped improving, and the LR cuts."""
+    lines = [
+        "| configuration | seed | epochs | best valid perplexity (epoch) "
+        "| last epoch vs the one before | LR cut after epochs | flattened |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key in sorted(groups, key=lambda k: (_config(groups[k]).rank, k)):
+        for r in groups[key]:
+            if r["example"] != "lstm_language_model":
+                continue
+            epochs = r["epochs"]
+            valid = [e["valid_perplexity"] for e in epochs]
+            best = min(range(len(valid)), key=valid.__getitem__)
+            # An epoch's record holds the LR after its own stall check (epoch 1 cannot cut).
+            cuts = [e["epoch"] for prev, e in zip(epochs, epochs[1:]) if e["lr"] < prev["lr"]]
+            change = 100 * (valid[-1] / valid[-2] - 1) if len(valid) > 1 else float("nan")
+            flat = math.isfinite(change) and change > -FLAT
+            lines.append(
+                f"| {_config(groups[key]).label} | {r['args']['seed']} | {len(epochs)} "
+                f"| {valid[best]:.1f} ({epochs[best]['epoch']}) | {change:+.1f} % "
+                f"| {', '.join(map(str, cuts)) or '—'} | {'yes' if flat else 'no'} |"
+            )
+    return lines if len(lines) > 2 else []
+
+
 def _per_epoch_table(example, groups):
     key = EXAMPLES[example][1]
     extra = example == "lstm_language_model"
@@ -492,6 +521,18 @@ def write_report(groups, out_dir):
             lines += ["Not run yet.", ""]
             continue
         lines += [*_summary_table(example, mine), ""]
+        flat = _flattening_table(mine) if example == "lstm_language_model" else []
+        if flat:
+            lines += [
+                "### Did validation perplexity flatten?",
+                "",
+                f"Flattened: the last epoch improved validation perplexity by less than {FLAT:g} %",
+                "(or made it worse). The example divides the LR by 4 after an epoch whose",
+                "validation perplexity is worse than the best so far.",
+                "",
+                *flat,
+                "",
+            ]
         if example == "fashion_mnist":
             warm = _warmup_table(mine)
             if warm:

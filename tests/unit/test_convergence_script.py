@@ -145,3 +145,26 @@ def test_a_finished_run_is_not_run_again(tmp_path, monkeypatch):
     convergence.run_one(
         f"{config.key}-s42", config, ["--seed", "42"], args, str(tmp_path / "convergence")
     )
+
+
+def test_lstm_report_says_where_validation_flattened(tmp_path):
+    def lstm_record(config, seed, valid, lrs):
+        record = fake_record(config, seed, [v * 1.02 for v in valid], 37.9)
+        for e, v, lr in zip(record["epochs"], valid, lrs):
+            e["test_perplexity"] = e.pop("test_accuracy")
+            e.update(valid_perplexity=v, lr=lr)
+        record["final"]["test_perplexity"] = record["final"].pop("test_accuracy")
+        return record
+
+    plain = convergence.Config("lstm_language_model", 0)
+    r4 = convergence.Config("lstm_language_model", 4)
+    # Plain stalls after epoch 3 (LR 20 -> 5), recovers, then moves by 0.4 %: flat.
+    runs = [lstm_record(plain, 42, [200, 160, 150, 152, 140, 139.5], [20, 20, 20, 5, 5, 5])]
+    # Rank 4 still improves by 5 % in its last epoch: not flat.
+    runs += [lstm_record(r4, 42, [210, 170, 160, 152], [20, 20, 20, 20])]
+    groups = write_runs(tmp_path / "convergence", runs)
+    table = "\n".join(convergence._flattening_table(groups))
+    assert "| plain Horovod | 42 | 6 | 139.5 (6) | -0.4 % | 4 | yes |" in table, table
+    assert "| 42 | 4 | 152.0 (4) | -5.0 % | — | no |" in table, table
+    convergence.write_report(groups, str(tmp_path))
+    assert "### Did validation perplexity flatten?" in (tmp_path / "convergence.md").read_text()
