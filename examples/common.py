@@ -113,6 +113,10 @@ class CommunicationMeter:
         """Call once after each ``optimizer.step()``."""
         self._steps += 1
 
+    def resume(self, steps: int) -> None:
+        """Count on from a checkpoint's ``totals()["steps"]`` (PowerSGD restores its own)."""
+        self._steps = steps
+
     def totals(self) -> dict:
         if self.powersgd:
             return dict(self.optimizer.compression_stats())
@@ -211,6 +215,11 @@ class Recorder:
         metrics = dict(metrics, elapsed_s=time.perf_counter() - self.start)
         self.record["epochs"].append(metrics)
         self._write()
+
+    def resume(self, epochs: list) -> None:
+        """Start from the epochs a checkpointed run recorded; the next epoch appends."""
+        self.record["epochs"] = list(epochs)
+        self.record.setdefault("resumed_after_epoch", []).append(len(epochs))
 
     def finish(self, final: dict) -> dict:
         self.record["final"] = dict(final, elapsed_s=time.perf_counter() - self.start)

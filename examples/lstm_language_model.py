@@ -8,6 +8,9 @@ Launch (from the repository root):
     horovodrun -np 2 -H localhost:2 python examples/lstm_language_model.py --powersgd-rank 4
     # the plain Horovod baseline: same script, compression off
     horovodrun -np 2 -H localhost:2 python examples/lstm_language_model.py --powersgd-rank 0
+    # save after every epoch; the same command resumes, a larger --epochs trains on
+    horovodrun -np 2 -H localhost:2 python examples/lstm_language_model.py \
+        --epochs 16 --checkpoint runs/lm.ckpt
 
 The text is the English prose of the Python 3.11 documentation sources that
 Debian's ``python3.11-doc`` installs (/usr/share/doc/python3.11/html/_sources,
@@ -33,6 +36,8 @@ import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import horovod_powersgd as hps
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common
@@ -260,6 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=20, help="token streams per worker")
     parser.add_argument("--lr", type=float, default=10.0, help="SGD learning rate per worker")
     parser.add_argument("--clip", type=float, default=0.25, help="gradient-norm clipping")
+    parser.add_argument(
+        "--checkpoint",
+        metavar="PATH",
+        default=None,
+        help="save here after every epoch and resume from here if it exists",
+    )
     common.add_common_args(parser)
     return parser
 
@@ -280,6 +291,67 @@ def evaluate(model, streams, bptt: int) -> float:
     return math.exp(min(loss_sum / count, 50))
 
 
+# Flags that may change when a run resumes; every other flag must match the checkpoint's.
+RESUMABLE = {"epochs", "json", "checkpoint", "no_progress"}
+
+
+def save(path, model, optimizer, extra) -> None:
+    """Checkpoint after an epoch, the Horovod way: rank 0 writes the file."""
+    if hasattr(optimizer, "compression_stats"):
+        # PowerSGD: error buffers differ per rank, so every rank writes its own
+        # state beside rank 0's file (horovod_powersgd.save_checkpoint).
+        hps.save_checkpoint(path, model, optimizer, **extra)
+    elif hvd.rank() == 0:  # Horovod: rank 0 alone saves the (identical) weights.
+        tmp = path + ".tmp"
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "extra": extra}, tmp)  # fmt: skip
+        os.replace(tmp, path)  # a crash while saving keeps the previous epoch's file
+
+
+def resume(path, model, optimizer, settings) -> dict | None:
+    """Load `path` if it exists, before the broadcasts; returns its extra (None: no file).
+
+    Horovod's way: rank 0 reads the file and the broadcasts that follow hand its
+    state to every rank. With PowerSGD every rank reads it, for its own error
+    buffers (horovod_powersgd.load_checkpoint).
+    """
+    powersgd = hasattr(optimizer, "compression_stats")
+    checkpoint = problem = None
+    if (powersgd or hvd.rank() == 0) and os.path.exists(path):
+        try:
+            checkpoint = torch.load(path, weights_only=True)
+            _same_settings(checkpoint["extra"]["settings"], settings)
+        except Exception as e:
+            problem = f"cannot resume from {path}: {e}"
+    # Agree before anything changes: a rank that cannot resume stops every rank.
+    found = hvd.allgather_object((checkpoint is not None, problem), name="resume.check")
+    problems = [f"rank {r}: {p}" for r, (_, p) in enumerate(found) if p]
+    if problems:
+        raise ValueError("; ".join(problems))
+    present = [f for r, (f, _) in enumerate(found) if powersgd or r == 0]
+    if len(set(present)) > 1:
+        raise FileNotFoundError(f"{path} is missing on some ranks; save to a shared folder")
+    if not present[0]:
+        return None
+    if powersgd:
+        return hps.load_checkpoint(path, model, optimizer)
+    if hvd.rank() == 0:
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+    extra = checkpoint["extra"] if checkpoint else None
+    return hvd.broadcast_object(extra, root_rank=0, name="resume.extra")
+
+
+def _same_settings(saved, settings) -> None:
+    changed = {k: (saved.get(k), v) for k, v in settings.items() if saved.get(k) != v}
+    if changed:
+        listed = ", ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in changed.items())
+        raise ValueError(
+            f"saved by a run with other settings ({listed}); resume with the same flags "
+            "(only --epochs may grow) or use another --checkpoint"
+        )
+
+
 def main(argv=None) -> dict:
     """Train and evaluate; returns the metrics record (also written with --json)."""
     args = common.parse(build_parser(), argv)
@@ -297,6 +369,11 @@ def main(argv=None) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size())
     # Horovod (+ PowerSGD): average gradients across workers.
     optimizer = common.distributed_optimizer(optimizer, model, args)
+    if args.checkpoint:
+        os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k not in RESUMABLE}
+    settings["world_size"] = hvd.size()
+    saved = resume(args.checkpoint, model, optimizer, settings) if args.checkpoint else None
     # Horovod: start every worker from rank 0's weights and optimizer state.
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
@@ -309,8 +386,17 @@ def main(argv=None) -> dict:
     )
 
     valid_ppl = test_ppl = float("nan")
-    best_valid = float("inf")
-    for epoch in range(1, args.epochs + 1):
+    best_valid, first_epoch = float("inf"), 1
+    if saved:  # go on where the checkpoint's run stopped, as if it never had
+        recorder.resume(saved["epochs"])
+        meter.resume(saved["meter_steps"])
+        torch.set_rng_state(saved["rng"])  # dropout masks continue their stream
+        best_valid, first_epoch = saved["best_valid"], len(saved["epochs"]) + 1
+        valid_ppl, test_ppl = (
+            saved["epochs"][-1][k] for k in ("valid_perplexity", "test_perplexity")
+        )
+        common.log(f"resumed from {args.checkpoint} after epoch {first_epoch - 1}")
+    for epoch in range(first_epoch, args.epochs + 1):
         model.train()
         start, before = time.perf_counter(), meter.totals()
         starts = range(0, len(train) - 1, args.bptt)
@@ -367,6 +453,11 @@ def main(argv=None) -> dict:
                 "wall_time_s": wall,
             }
         )
+        if args.checkpoint:
+            extra = {"settings": settings, "epochs": recorder.record["epochs"],
+                     "best_valid": best_valid, "meter_steps": meter.totals()["steps"],
+                     "rng": torch.get_rng_state()}  # fmt: skip
+            save(args.checkpoint, model, optimizer, extra)
         common.log(
             f"epoch {epoch}: train loss {train_loss:.3f}, valid perplexity {valid_ppl:.1f}, "
             f"test perplexity {test_ppl:.1f}, sent {common.human_bytes(comm['bytes_sent'])} "

@@ -56,6 +56,7 @@ EXAMPLES = {
     ),
 }
 FASHION_STEPS_PER_EPOCH = 469  # 60,000 images / (2 workers x 64)
+CHECKPOINTS = os.path.join("runs", "convergence")  # from ROOT; ignored by git (tens of MB)
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,7 @@ def run_plan(args):
 
     plan = []
     for config, seed in order:
+        name = f"{config.key}-s{seed}"
         argv = ["--seed", str(seed), "--no-progress", "--powersgd-rank", str(config.rank)]
         argv += ["--rounds", str(config.rounds), "--start-iter", str(config.start_iter)]
         if config.example == "fashion_mnist":
@@ -141,7 +143,10 @@ def run_plan(args):
         else:
             argv += ["--epochs", str(args.lm_epochs), "--train-subset", str(args.lm_train_tokens)]
             argv += ["--eval-subset", str(args.lm_eval_tokens)]
-        plan.append((f"{config.key}-s{seed}", config, seed, argv + shlex.split(args.extra)))
+            # Saved after every epoch: an interrupted run, or one asked for more
+            # --lm-epochs later, goes on from its last epoch.
+            argv += ["--checkpoint", os.path.join(CHECKPOINTS, f"{name}.ckpt")]
+        plan.append((name, config, seed, argv + shlex.split(args.extra)))
     return plan
 
 
@@ -156,11 +161,16 @@ def _past(deadline):
 def run_one(name, config, argv, args, runs_dir):
     json_path = os.path.join(runs_dir, f"{name}.json")
     log_path = os.path.join(runs_dir, f"{name}.log")
+    earlier = []
     if os.path.exists(json_path) and not args.rerun:
         with open(json_path) as f:
-            if "launch" in json.load(f):
-                print(f"[convergence] {name}: already done, skipping", flush=True)
-                return
+            old = json.load(f)
+        wanted = int(argv[argv.index("--epochs") + 1])
+        if "launch" in old and len(old["epochs"]) >= wanted:
+            print(f"[convergence] {name}: already done, skipping", flush=True)
+            return
+        if "launch" in old:  # finished with fewer epochs: the example goes on from its checkpoint
+            earlier = [*old.get("earlier_launches", []), old["launch"]]
     command = [
         os.path.join(VENV_BIN, "horovodrun"), "-np", str(args.np), "-H", f"localhost:{args.np}",
         f"--mpi-args={MPI_ARGS}", os.path.join(VENV_BIN, "python"), EXAMPLES[config.example][0],
@@ -189,6 +199,8 @@ def run_one(name, config, argv, args, runs_dir):
         "loadavg_after": os.getloadavg(),
         "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(start)),
     }
+    if record.get("resumed_after_epoch"):
+        record["earlier_launches"] = earlier
     with open(json_path, "w") as f:
         json.dump(record, f, indent=2)
     print(f"[convergence] {name}: done in {wall:.0f} s", flush=True)
@@ -548,7 +560,9 @@ def write_report(groups, out_dir):
         if example in plots:
             lines += [f"![{example}]({plots[example]})", ""]
         lines += ["Commands (from the repository root), one per run:", "", "```"]
-        lines += [r["launch"]["command"] for k in sorted(mine) for r in mine[k]]
+        for k in sorted(mine):
+            for r in mine[k]:
+                lines += [x["command"] for x in [*r.get("earlier_launches", []), r["launch"]]]
         lines += ["```", "", "<details><summary>Every epoch of every run</summary>", ""]
         lines += _per_epoch_table(example, mine)
         lines += ["", "</details>", ""]

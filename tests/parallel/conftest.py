@@ -7,6 +7,8 @@ test on every rank (and the ranks stay in step for the next test). A test marked
 """
 
 import os
+import shutil
+import tempfile
 
 import horovod.torch as hvd
 import pytest
@@ -55,6 +57,20 @@ def all_ranks_agree(request):
     failed_ranks = [r for r, f in enumerate(flags.tolist()) if f]
     if failed_ranks and not failed_here:
         pytest.fail(f"failed on rank(s) {failed_ranks}", pytrace=False)
+
+
+@pytest.fixture
+def shared_dir():
+    """A fresh directory every rank shares (rank 0's), as on a shared file system."""
+    directory = hvd.broadcast_object(
+        tempfile.mkdtemp(prefix="hps-test-") if hvd.rank() == 0 else None,
+        root_rank=0,
+        name="test.shared_dir",
+    )
+    yield directory
+    hvd.barrier()  # every rank is done with it
+    if hvd.rank() == 0:
+        shutil.rmtree(directory)
 
 
 @pytest.fixture

@@ -6,8 +6,6 @@ written by one rank are seen by the others as on a shared file system.
 
 import glob
 import os
-import shutil
-import tempfile
 
 import horovod.torch as hvd
 import numpy as np
@@ -19,17 +17,8 @@ import horovod_powersgd as hps
 
 
 @pytest.fixture
-def path():
-    """ckpt.pt in a fresh directory that every rank shares; removed once all are done."""
-    directory = hvd.broadcast_object(
-        tempfile.mkdtemp(prefix="hps-ckpt-") if hvd.rank() == 0 else None,
-        root_rank=0,
-        name="test.checkpoint.directory",
-    )
-    yield os.path.join(directory, "ckpt.pt")
-    hvd.barrier()
-    if hvd.rank() == 0:
-        shutil.rmtree(directory)
+def path(shared_dir):
+    return os.path.join(shared_dir, "ckpt.pt")
 
 
 def rank_file(path, rank):

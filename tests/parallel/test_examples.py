@@ -7,6 +7,7 @@ conftest); no launcher is started from inside the test.
 import json
 import math
 import os
+import pathlib
 import sys
 
 import horovod.torch as hvd
@@ -85,3 +86,69 @@ def test_lstm_language_model_reads_a_text_file(tmp_path):
     assert math.isfinite(record["final"]["test_perplexity"])
     check_communication(record["final"], 0)
     assert_same_parameters_on_every_rank(record["model"])
+
+
+def tiny_lm_argv(corpus, powersgd_rank, *more):
+    return [
+        "--max-steps", "3", "--no-progress", "--seed", "3", "--powersgd-rank", str(powersgd_rank),
+        "--text-file", str(corpus), "--batch-size", "4", "--bptt", "8", "--size", "16",
+        "--vocab-size", "50", *more,
+    ]  # fmt: skip
+
+
+@pytest.fixture
+def corpus(shared_dir):
+    path = os.path.join(shared_dir, "corpus.txt")
+    if hvd.rank() == 0:
+        with open(path, "w") as f:
+            f.write("\n\n".join(f"a {i % 7} fox jumps over the {i % 5} dog ." for i in range(2000)))
+    hvd.barrier()
+    return path
+
+
+@pytest.mark.parametrize("powersgd_rank", [0, 4])
+def test_lstm_checkpoint_goes_on_as_if_never_stopped(shared_dir, corpus, powersgd_rank):
+    """A 3-epoch run equals a 1-epoch run with --checkpoint continued to 3 epochs."""
+    straight = lstm_language_model.main(tiny_lm_argv(corpus, powersgd_rank, "--epochs", "3"))
+    ckpt = os.path.join(shared_dir, "runs", "lm.ckpt")  # the folder does not exist yet
+    first = tiny_lm_argv(corpus, powersgd_rank, "--checkpoint", ckpt, "--epochs", "1")
+    lstm_language_model.main(first)
+    json_path = os.path.join(shared_dir, "lm.json")
+    argv = tiny_lm_argv(corpus, powersgd_rank, "--checkpoint", ckpt, "--epochs", "3")
+    resumed = lstm_language_model.main([*argv, "--json", json_path])
+
+    assert resumed["resumed_after_epoch"] == [1]
+    for a, b in zip(straight["model"].parameters(), resumed["model"].parameters(), strict=True):
+        assert torch.equal(a, b), "resumed weights differ from an uninterrupted run's"
+    keys = ("epoch", "steps", "train_loss", "valid_perplexity", "lr", "bytes_sent", "ratio")
+    assert [{k: e[k] for k in keys} for e in resumed["epochs"]] == [
+        {k: e[k] for k in keys} for e in straight["epochs"]
+    ]
+    for key in ("test_perplexity", "bytes_sent", "ratio"):
+        assert resumed["final"][key] == straight["final"][key], key
+    assert_same_parameters_on_every_rank(resumed["model"])
+    if hvd.rank() == 0:
+        with open(json_path) as f:
+            assert len(json.load(f)["epochs"]) == 3
+
+    # Asking for no more epochs than saved trains nothing and reports the saved run.
+    again = lstm_language_model.main(argv)
+    assert again["final"]["test_perplexity"] == straight["final"]["test_perplexity"]
+
+
+def checkpoint_files(folder):
+    """{name: bytes} of the checkpoint's files (rank 0's and every rank's)."""
+    names = [n for n in sorted(os.listdir(folder)) if n.startswith("lm.ckpt")]
+    return {n: pathlib.Path(folder, n).read_bytes() for n in names}
+
+
+def test_lstm_checkpoint_of_other_settings_is_refused_on_every_rank(shared_dir, corpus):
+    ckpt = os.path.join(shared_dir, "lm.ckpt")
+    lstm_language_model.main(tiny_lm_argv(corpus, 4, "--checkpoint", ckpt, "--epochs", "1"))
+    saved = checkpoint_files(shared_dir)
+    for other in (["--powersgd-rank", "2"], ["--powersgd-rank", "0"], ["--lr", "1"]):
+        with pytest.raises(ValueError, match="saved by a run with other settings"):
+            lstm_language_model.main(
+                [*tiny_lm_argv(corpus, 4, "--checkpoint", ckpt, "--epochs", "2"), *other]
+            )
+    assert checkpoint_files(shared_dir) == saved, "a refused resume changed the checkpoint"

@@ -35,7 +35,7 @@ def test_plan_covers_issue_14_and_runs_seed_42_of_everything_first():
 
 def test_plan_passes_every_setting_to_the_example():
     args = convergence.parse_args(["--parts", "fashion,lstm", "--extra", "--max-steps 3"])
-    for _name, config, seed, argv in convergence.run_plan(args):
+    for name, config, seed, argv in convergence.run_plan(args):
         assert int(flag(argv, "--seed")) == seed
         assert int(flag(argv, "--powersgd-rank")) == config.rank
         assert int(flag(argv, "--rounds")) == config.rounds
@@ -44,6 +44,8 @@ def test_plan_passes_every_setting_to_the_example():
         if config.example == "lstm_language_model":
             assert flag(argv, "--train-subset") == "0", "the whole corpus"
             assert flag(argv, "--epochs") == "8"
+            # One checkpoint per run, outside the tracked results.
+            assert flag(argv, "--checkpoint") == f"runs/convergence/{name}.ckpt"
         else:
             assert flag(argv, "--epochs") == "10"
 
@@ -143,19 +145,24 @@ def test_a_finished_run_is_not_run_again(tmp_path, monkeypatch):
 
     monkeypatch.setattr(convergence.subprocess, "run", no_launch)
     convergence.run_one(
-        f"{config.key}-s42", config, ["--seed", "42"], args, str(tmp_path / "convergence")
+        f"{config.key}-s42",
+        config,
+        ["--seed", "42", "--epochs", "1"],
+        args,
+        str(tmp_path / "convergence"),
     )
 
 
-def test_lstm_report_says_where_validation_flattened(tmp_path):
-    def lstm_record(config, seed, valid, lrs):
-        record = fake_record(config, seed, [v * 1.02 for v in valid], 37.9)
-        for e, v, lr in zip(record["epochs"], valid, lrs):
-            e["test_perplexity"] = e.pop("test_accuracy")
-            e.update(valid_perplexity=v, lr=lr)
-        record["final"]["test_perplexity"] = record["final"].pop("test_accuracy")
-        return record
+def lstm_record(config, seed, valid, lrs):
+    record = fake_record(config, seed, [v * 1.02 for v in valid], 37.9)
+    for e, v, lr in zip(record["epochs"], valid, lrs, strict=True):
+        e["test_perplexity"] = e.pop("test_accuracy")
+        e.update(valid_perplexity=v, lr=lr)
+    record["final"]["test_perplexity"] = record["final"].pop("test_accuracy")
+    return record
 
+
+def test_lstm_report_says_where_validation_flattened(tmp_path):
     plain = convergence.Config("lstm_language_model", 0)
     r4 = convergence.Config("lstm_language_model", 4)
     # Plain stalls after epoch 3 (LR 20 -> 5), recovers, then moves by 0.4 %: flat.
@@ -168,3 +175,34 @@ def test_lstm_report_says_where_validation_flattened(tmp_path):
     assert "| 42 | 4 | 152.0 (4) | -5.0 % | — | no |" in table, table
     convergence.write_report(groups, str(tmp_path))
     assert "### Did validation perplexity flatten?" in (tmp_path / "convergence.md").read_text()
+
+
+def test_a_run_asked_for_more_epochs_goes_on_and_keeps_its_first_command(tmp_path, monkeypatch):
+    config = convergence.Config("lstm_language_model", 4)
+    args = convergence.parse_args(["--out", str(tmp_path)])
+    runs_dir = tmp_path / "convergence"
+    (done,) = write_runs(runs_dir, [lstm_record(config, 42, [150.0, 120.0], [20, 20])])[config.key]
+    launched = []
+
+    def example(command, **kwargs):
+        launched.append(command)
+        # What the example writes when it resumes from its checkpoint after epoch 2.
+        json_path = os.path.join(kwargs["cwd"], command[command.index("--json") + 1])
+        record = dict(done, epochs=done["epochs"] + done["epochs"][-1:], resumed_after_epoch=[2])
+        record = {k: v for k, v in record.items() if k not in ("launch", "config")}
+        with open(json_path, "w") as f:
+            json.dump(record, f)
+        return convergence.subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(convergence.subprocess, "run", example)
+    name = f"{config.key}-s42"
+    for epochs in ("2", "3"):  # 2 are there: skipped; 3: launched once
+        convergence.run_one(name, config, ["--epochs", epochs], args, str(runs_dir))
+    assert len(launched) == 1
+    with open(runs_dir / f"{name}.json") as f:
+        record = json.load(f)
+    assert len(record["epochs"]) == 3
+    assert record["earlier_launches"] == [done["launch"]]
+    convergence.write_report(convergence.load_runs(str(runs_dir)), str(tmp_path))
+    report = (tmp_path / "convergence.md").read_text()
+    assert done["launch"]["command"] in report and "--epochs 3" in report
