@@ -15,12 +15,15 @@ What `make convergence` runs (issue 14). Three parts, each a list of runs:
 Runs are ordered so that a campaign cut short still answers the main questions (seed 42
 of every configuration first). Every run writes its JSON and log under
 docs/results/convergence/; a run whose JSON is complete is skipped, so rerunning the
-same command resumes where it stopped. After every run the report
+same command resumes where it stopped. LSTM runs also save a checkpoint after every
+epoch (runs/convergence/, not tracked): an interrupted LSTM run goes on from its last
+epoch, and a larger ``--lm-epochs`` extends finished runs. After every run the report
 (docs/results/convergence.md) and plots are rebuilt from all JSON files there.
 
     python scripts/convergence.py                          # fashion, warmup, lstm (many hours)
     python scripts/convergence.py --parts fashion,warmup   # Fashion-MNIST only
     python scripts/convergence.py --deadline 09:40         # start no run after 09:40 UTC
+    python scripts/convergence.py --parts lstm --lm-epochs 14  # train the LSTM runs on
     python scripts/convergence.py --report-only            # rebuild the report
 """
 
