@@ -173,6 +173,8 @@ def test_lstm_report_says_where_validation_flattened(tmp_path):
     table = "\n".join(convergence._flattening_table(groups))
     assert "| plain Horovod | 42 | 6 | 139.5 (6) | -0.4 % | 4 | yes |" in table, table
     assert "| 42 | 4 | 152.0 (4) | -5.0 % | — | no |" in table, table
+    (target,) = convergence._targets(groups)
+    assert "after 4/6 epochs (validation perplexity still falling" in target, target
     convergence.write_report(groups, str(tmp_path))
     assert "### Did validation perplexity flatten?" in (tmp_path / "convergence.md").read_text()
 
