@@ -453,7 +453,7 @@ def _targets(groups):
             both = [*plain, *records]
             epochs = sorted({len(r["epochs"]) for r in both})
             when = f" after {'/'.join(map(str, epochs))} epochs"
-            if any(not _last_change(r) > -FLAT for r in both):
+            if not all(map(_flattened, both)):
                 when += " (validation perplexity still falling, so not the flattened result)"
         lines.append(
             f"- {example}, {label}: {'**met**' if ok else '**missed**'} ({want}){when}: "
@@ -469,6 +469,11 @@ def _last_change(record):
     """% change of validation perplexity over the last epoch (NaN after one epoch)."""
     valid = [e["valid_perplexity"] for e in record["epochs"]]
     return 100 * (valid[-1] / valid[-2] - 1) if len(valid) > 1 else float("nan")
+
+
+def _flattened(record):
+    change = _last_change(record)
+    return math.isfinite(change) and change > -FLAT
 
 
 def _flattening_table(groups):
@@ -488,11 +493,10 @@ def _flattening_table(groups):
             # An epoch's record holds the LR after its own stall check (epoch 1 cannot cut).
             cuts = [e["epoch"] for prev, e in zip(epochs, epochs[1:]) if e["lr"] < prev["lr"]]
             change = _last_change(r)
-            flat = math.isfinite(change) and change > -FLAT
             lines.append(
                 f"| {_config(groups[key]).label} | {r['args']['seed']} | {len(epochs)} "
                 f"| {valid[best]:.1f} ({epochs[best]['epoch']}) | {change:+.1f} % "
-                f"| {', '.join(map(str, cuts)) or '—'} | {'yes' if flat else 'no'} |"
+                f"| {', '.join(map(str, cuts)) or '—'} | {'yes' if _flattened(r) else 'no'} |"
             )
     return lines if len(lines) > 2 else []
 
