@@ -501,6 +501,39 @@ def _flattening_table(groups):
     return lines if len(lines) > 2 else []
 
 
+def _gap_by_epoch_table(groups):
+    """LSTM test perplexity by epoch, seed means, each configuration against plain's same seeds.
+
+    Shows whether a gap to plain is closing or steady as the curves flatten, which a verdict
+    read at one epoch cannot.
+    """
+    plain = groups.get(Config("lstm_language_model", 0).key)
+    others = [
+        k
+        for k in sorted(groups, key=lambda k: (_config(groups[k]).rank, k))
+        if groups[k][0]["example"] == "lstm_language_model" and _config(groups[k]).rank
+    ]
+    if not plain or not others:
+        return []
+    columns = [(k, groups[k], _paired(plain, groups[k])) for k in others]
+    every = [*plain, *(r for k in others for r in groups[k])]
+    last = min(len(r["epochs"]) for r in every)
+    head = "| epoch | plain Horovod |"
+    rule = "|---|---|"
+    for k, _, _ in columns:
+        head += f" {_config(groups[k]).label} | vs plain |"
+        rule += "---|---|"
+    lines = [head, rule]
+    for epoch in range(1, last + 1):
+        row = [str(epoch), f"{statistics.fmean(_value(r, epoch) for r in plain):.2f}"]
+        for _, records, paired in columns:
+            mean = statistics.fmean(_value(r, epoch) for r in records)
+            base = statistics.fmean(_value(r, epoch) for r in paired)
+            row += [f"{mean:.2f}", _delta("lstm_language_model", mean, base)]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
 def _per_epoch_table(example, groups):
     key = EXAMPLES[example][1]
     extra = example == "lstm_language_model"
@@ -563,6 +596,16 @@ def write_report(groups, out_dir):
                 "validation perplexity is worse than the best so far.",
                 "",
                 *flat,
+                "",
+            ]
+        gap = _gap_by_epoch_table(mine) if example == "lstm_language_model" else []
+        if gap:
+            lines += [
+                "### Test perplexity epoch by epoch: is the gap to plain closing?",
+                "",
+                "Mean over seeds; each configuration against plain runs with the same seeds.",
+                "",
+                *gap,
                 "",
             ]
         if example == "fashion_mnist":

@@ -208,3 +208,27 @@ def test_a_run_asked_for_more_epochs_goes_on_and_keeps_its_first_command(tmp_pat
     convergence.write_report(convergence.load_runs(str(runs_dir)), str(tmp_path))
     report = (tmp_path / "convergence.md").read_text()
     assert done["launch"]["command"] in report and "--epochs 3" in report
+
+
+def test_lstm_report_shows_the_gap_to_plain_epoch_by_epoch(tmp_path):
+    plain = convergence.Config("lstm_language_model", 0)
+    r4 = convergence.Config("lstm_language_model", 4)
+    r4_one = convergence.Config("lstm_language_model", 4, rounds=1)
+    # lstm_record's test perplexity is 1.02 x validation.
+    runs = [lstm_record(plain, 42, [200, 100, 50], [20] * 3)]
+    runs += [lstm_record(plain, 43, [200, 110, 60], [20] * 3)]
+    runs += [lstm_record(r4, 42, [220, 105, 51], [20] * 3)]
+    runs += [lstm_record(r4, 43, [220, 115.5, 61], [20] * 3)]
+    runs += [lstm_record(r4_one, 42, [240, 110], [20] * 2)]  # seed 42 only, 2 epochs so far
+    groups = write_runs(tmp_path / "convergence", runs)
+    table = convergence._gap_by_epoch_table(groups)
+    head = "| epoch | plain Horovod | rank 4, rounds=1 | vs plain | rank 4, rounds=2 | vs plain |"
+    assert table[0] == head, "configurations in the summary table's order"
+    # Only the epochs every run has; rounds=1 against plain seed 42 alone (102.0 at epoch 2,
+    # where the mean of both plain seeds is 107.1).
+    assert table[2:] == [
+        "| 1 | 204.00 | 244.80 | +20.0 % | 224.40 | +10.0 % |",
+        "| 2 | 107.10 | 112.20 | +10.0 % | 112.46 | +5.0 % |",
+    ]
+    convergence.write_report(groups, str(tmp_path))
+    assert "### Test perplexity epoch by epoch" in (tmp_path / "convergence.md").read_text()
