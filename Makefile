@@ -67,7 +67,7 @@ demo: setup
 # (plain; rank 2 in both schedules; ranks 1, 4), the start_iter study, the LSTM on the
 # whole corpus (plain vs rank 4, both schedules, 2 seeds). Many hours on 2 cores, so not
 # part of `make test`; rerun to resume, or pass CONVERGENCE_ARGS="--parts fashion,warmup".
-# LSTM runs checkpoint every epoch: CONVERGENCE_ARGS="--lm-epochs 14" trains them on.
+# LSTM runs: 14 epochs, a checkpoint every epoch; CONVERGENCE_ARGS="--lm-epochs 20" trains on.
 convergence: setup
 	$(PY) scripts/convergence.py $(CONVERGENCE_ARGS)
 

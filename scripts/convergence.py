@@ -23,7 +23,7 @@ epoch, and a larger ``--lm-epochs`` extends finished runs. After every run the r
     python scripts/convergence.py                          # fashion, warmup, lstm (many hours)
     python scripts/convergence.py --parts fashion,warmup   # Fashion-MNIST only
     python scripts/convergence.py --deadline 09:40         # start no run after 09:40 UTC
-    python scripts/convergence.py --parts lstm --lm-epochs 14  # train the LSTM runs on
+    python scripts/convergence.py --parts lstm --lm-epochs 20  # train the LSTM runs on
     python scripts/convergence.py --report-only            # rebuild the report
 """
 
@@ -94,7 +94,7 @@ def parse_args(argv=None):
     p.add_argument("--seeds", default="42,43,44", help="Fashion-MNIST seeds")
     p.add_argument("--lm-seeds", default="42,43", help="LSTM seeds")
     p.add_argument("--cnn-epochs", type=int, default=10, help="Fashion-MNIST epochs")
-    p.add_argument("--lm-epochs", type=int, default=8, help="LSTM epochs")
+    p.add_argument("--lm-epochs", type=int, default=14, help="LSTM epochs")
     p.add_argument("--lm-train-tokens", type=int, default=0, help="LSTM training tokens; 0 = all")
     p.add_argument("--lm-eval-tokens", type=int, default=0, help="LSTM eval tokens; 0 = all")
     p.add_argument("--extra", default="", help="more flags for every run ('--max-steps 3')")

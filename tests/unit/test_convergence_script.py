@@ -43,7 +43,7 @@ def test_plan_passes_every_setting_to_the_example():
         assert argv[-2:] == ["--max-steps", "3"]
         if config.example == "lstm_language_model":
             assert flag(argv, "--train-subset") == "0", "the whole corpus"
-            assert flag(argv, "--epochs") == "8"
+            assert flag(argv, "--epochs") == "14"
             # One checkpoint per run, outside the tracked results.
             assert flag(argv, "--checkpoint") == f"runs/convergence/{name}.ckpt"
         else:
