@@ -515,15 +515,10 @@ def _gap_by_epoch_table(groups):
     ]
     if not plain or not others:
         return []
-    columns = [(k, groups[k], _paired(plain, groups[k])) for k in others]
-    every = [*plain, *(r for k in others for r in groups[k])]
-    last = min(len(r["epochs"]) for r in every)
-    head = "| epoch | plain Horovod |"
-    rule = "|---|---|"
-    for k, _, _ in columns:
-        head += f" {_config(groups[k]).label} | vs plain |"
-        rule += "---|---|"
-    lines = [head, rule]
+    columns = [(_config(groups[k]).label, groups[k], _paired(plain, groups[k])) for k in others]
+    last = min(len(r["epochs"]) for r in [*plain, *(r for k in others for r in groups[k])])
+    head = f"| epoch | {_config(plain).label} |" + "".join(f" {c[0]} | vs plain |" for c in columns)
+    lines = [head, "|---|---|" + "---|---|" * len(columns)]
     for epoch in range(1, last + 1):
         row = [str(epoch), f"{statistics.fmean(_value(r, epoch) for r in plain):.2f}"]
         for _, records, paired in columns:
