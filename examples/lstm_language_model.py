@@ -266,6 +266,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=10.0, help="SGD learning rate per worker")
     parser.add_argument("--clip", type=float, default=0.25, help="gradient-norm clipping")
     parser.add_argument(
+        "--lr-drop-after",
+        metavar="EPOCHS",
+        type=_epoch_list,
+        default=(),
+        help="divide the LR by 4 after each of these epochs (e.g. 14,18), the same for every "
+        "run, instead of after an epoch whose validation perplexity is worse than the best",
+    )
+    parser.add_argument(
         "--checkpoint",
         metavar="PATH",
         default=None,
@@ -273,6 +281,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common.add_common_args(parser)
     return parser
+
+
+def _epoch_list(text: str) -> tuple:
+    try:
+        epochs = tuple(int(e) for e in text.split(",") if e.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of epochs"
+        ) from None
+    if any(e < 1 for e in epochs) or list(epochs) != sorted(set(epochs)):
+        raise argparse.ArgumentTypeError(f"{text!r}: epochs must be >= 1 and increasing")
+    return epochs
+
+
+def scheduled_lr(base: float, drop_after, epoch: int) -> float:
+    """The learning rate of `epoch` under --lr-drop-after: base / 4 per drop before it."""
+    return base / 4 ** sum(d < epoch for d in drop_after)
+
+
+def _check_lr_history(epochs, base: float, drop_after) -> None:
+    """Refuses to go on with --lr-drop-after if the saved epochs trained at other LRs."""
+    used = [base] + [e["lr"] for e in epochs[:-1]]  # an epoch's record holds the next LR
+    for e, lr in zip(epochs, used):
+        want = scheduled_lr(base, drop_after, e["epoch"])
+        if not math.isclose(lr, want, rel_tol=1e-9):
+            raise ValueError(
+                f"--lr-drop-after {','.join(map(str, drop_after)) or '(none)'}: the checkpoint's "
+                f"epoch {e['epoch']} trained at LR {lr:g}, this schedule gives {want:g}; use "
+                "the drops it was trained with (later ones may be added) or another --checkpoint"
+            )
 
 
 def evaluate(model, streams, bptt: int) -> float:
@@ -292,7 +330,8 @@ def evaluate(model, streams, bptt: int) -> float:
 
 
 # Flags that may change when a run resumes; every other flag must match the checkpoint's.
-RESUMABLE = {"epochs", "json", "checkpoint", "no_progress"}
+# --lr-drop-after may change as long as the epochs already trained followed it.
+RESUMABLE = {"epochs", "json", "checkpoint", "no_progress", "lr_drop_after"}
 
 
 def save(path, model, optimizer, extra) -> None:
@@ -366,7 +405,8 @@ def main(argv=None) -> dict:
 
     model = LanguageModel(len(corpus.words), args.size, args.layers, args.dropout)
     # Horovod: scale the learning rate by the number of workers (the batch grows with it).
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size())
+    base_lr = args.lr * hvd.size()
+    optimizer = torch.optim.SGD(model.parameters(), lr=base_lr)
     # Horovod (+ PowerSGD): average gradients across workers.
     optimizer = common.distributed_optimizer(optimizer, model, args)
     if args.checkpoint:
@@ -388,6 +428,11 @@ def main(argv=None) -> dict:
     valid_ppl = test_ppl = float("nan")
     best_valid, first_epoch = float("inf"), 1
     if saved:  # go on where the checkpoint's run stopped, as if it never had
+        if args.lr_drop_after:  # every rank has `saved`: all raise together, none waits
+            _check_lr_history(saved["epochs"], base_lr, args.lr_drop_after)
+            # The last record's "lr" is the next epoch's, which this schedule decides.
+            next_lr = scheduled_lr(base_lr, args.lr_drop_after, len(saved["epochs"]) + 1)
+            saved["epochs"][-1]["lr"] = next_lr
         recorder.resume(saved["epochs"])
         meter.resume(saved["meter_steps"])
         torch.set_rng_state(saved["rng"])  # dropout masks continue their stream
@@ -397,6 +442,9 @@ def main(argv=None) -> dict:
         )
         common.log(f"resumed from {args.checkpoint} after epoch {first_epoch - 1}")
     for epoch in range(first_epoch, args.epochs + 1):
+        if args.lr_drop_after:
+            for group in optimizer.param_groups:
+                group["lr"] = scheduled_lr(base_lr, args.lr_drop_after, epoch)
         model.train()
         start, before = time.perf_counter(), meter.totals()
         starts = range(0, len(train) - 1, args.bptt)
@@ -432,7 +480,10 @@ def main(argv=None) -> dict:
         train_loss /= hvd.size()
         valid_ppl = evaluate(model, valid, args.bptt)
         test_ppl = evaluate(model, test, args.bptt)
-        if valid_ppl > best_valid:
+        if args.lr_drop_after:  # fixed epochs: runs compare at the same LR every epoch
+            for group in optimizer.param_groups:
+                group["lr"] = scheduled_lr(base_lr, args.lr_drop_after, epoch + 1)
+        elif valid_ppl > best_valid:
             # Classic LM schedule: divide the learning rate by 4 when validation stalls.
             for group in optimizer.param_groups:
                 group["lr"] /= 4

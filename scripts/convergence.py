@@ -95,6 +95,12 @@ def parse_args(argv=None):
     p.add_argument("--lm-seeds", default="42,43", help="LSTM seeds")
     p.add_argument("--cnn-epochs", type=int, default=10, help="Fashion-MNIST epochs")
     p.add_argument("--lm-epochs", type=int, default=14, help="LSTM epochs")
+    p.add_argument(
+        "--lm-lr-drop-after",
+        default="14",
+        help="LSTM: divide the LR by 4 after these epochs in every run ('' = when validation "
+        "stalls, which cuts each run at its own epoch)",
+    )
     p.add_argument("--lm-train-tokens", type=int, default=0, help="LSTM training tokens; 0 = all")
     p.add_argument("--lm-eval-tokens", type=int, default=0, help="LSTM eval tokens; 0 = all")
     p.add_argument("--extra", default="", help="more flags for every run ('--max-steps 3')")
@@ -146,6 +152,8 @@ def run_plan(args):
         else:
             argv += ["--epochs", str(args.lm_epochs), "--train-subset", str(args.lm_train_tokens)]
             argv += ["--eval-subset", str(args.lm_eval_tokens)]
+            if args.lm_lr_drop_after:
+                argv += ["--lr-drop-after", args.lm_lr_drop_after]
             # Saved after every epoch: an interrupted run, or one asked for more
             # --lm-epochs later, goes on from its last epoch.
             argv += ["--checkpoint", os.path.join(CHECKPOINTS, f"{name}.ckpt")]
@@ -169,6 +177,19 @@ def run_one(name, config, argv, args, runs_dir):
         with open(json_path) as f:
             old = json.load(f)
         wanted = int(argv[argv.index("--epochs") + 1])
+        if "--lr-drop-after" in argv:
+            # The last epoch's cut only sets the next epoch's LR, which the plan decides.
+            done = len(old["epochs"])
+            planned = [d for d in _ints(argv[argv.index("--lr-drop-after") + 1]) if d < done]
+            cuts = [c for c in _lr_cuts(old) if c < done]
+            if cuts != planned:
+                print(
+                    f"[convergence] {name}: its LR was cut after epochs {cuts or 'none'}, "
+                    f"this plan cuts after {planned or 'none'}; not run. Move {json_path} and "
+                    f"its checkpoint away to run it again with this schedule",
+                    flush=True,
+                )
+                return
         if "launch" in old and len(old["epochs"]) >= wanted:
             print(f"[convergence] {name}: already done, skipping", flush=True)
             return
@@ -493,6 +514,14 @@ def _flattened(record):
     return math.isfinite(change) and change > -FLAT
 
 
+def _lr_cuts(record):
+    """Epochs after which the LR went down (each epoch's record holds the next epoch's LR)."""
+    lrs = [record["args"]["lr"] * record["world_size"]] + [e["lr"] for e in record["epochs"]]
+    return [
+        e["epoch"] for e, before, after in zip(record["epochs"], lrs, lrs[1:]) if after < before
+    ]
+
+
 def _flattening_table(groups):
     """Per LSTM run: where validation perplexity stopped improving, and the LR cuts."""
     lines = [
@@ -508,8 +537,7 @@ def _flattening_table(groups):
             epochs = r["epochs"]
             valid = [e["valid_perplexity"] for e in epochs]
             best = min(range(len(valid)), key=valid.__getitem__)
-            # An epoch's record holds the LR after its own stall check (epoch 1 cannot cut).
-            cuts = [e["epoch"] for prev, e in zip(epochs, epochs[1:]) if e["lr"] < prev["lr"]]
+            cuts = _lr_cuts(r)
             lines.append(
                 f"| {_config(groups[key]).label} | {r['args']['seed']} | {len(epochs)} "
                 f"| {valid[best]:.1f} ({epochs[best]['epoch']}) | {_value(r, best + 1):.2f} "

@@ -152,3 +152,31 @@ def test_lstm_checkpoint_of_other_settings_is_refused_on_every_rank(shared_dir, 
                 [*tiny_lm_argv(corpus, 4, "--checkpoint", ckpt, "--epochs", "2"), *other]
             )
     assert checkpoint_files(shared_dir) == saved, "a refused resume changed the checkpoint"
+
+
+def test_lstm_fixed_lr_drops_can_join_a_run_that_followed_them(shared_dir, corpus):
+    """--lr-drop-after gives every run the same LR each epoch, also when added on resume."""
+    base = 10.0 * hvd.size()  # --lr is per worker
+    drops = ["--lr-drop-after", "1,2"]
+    straight = lstm_language_model.main(tiny_lm_argv(corpus, 4, "--epochs", "3", *drops))
+    # Each epoch's record holds the LR of the epoch after it.
+    assert [e["lr"] for e in straight["epochs"]] == [base / 4, base / 16, base / 16]
+
+    # Epoch 1 trained at the base LR either way, so the drops may start on resume.
+    ckpt = os.path.join(shared_dir, "lm.ckpt")
+    lstm_language_model.main(tiny_lm_argv(corpus, 4, "--checkpoint", ckpt, "--epochs", "1"))
+    resumed = lstm_language_model.main(
+        tiny_lm_argv(corpus, 4, "--checkpoint", ckpt, "--epochs", "3", *drops)
+    )
+    assert [e["lr"] for e in resumed["epochs"]] == [e["lr"] for e in straight["epochs"]]
+    for a, b in zip(straight["model"].parameters(), resumed["model"].parameters(), strict=True):
+        assert torch.equal(a, b), "resumed weights differ from an uninterrupted run's"
+
+    # Epoch 2 trained at base / 4; a schedule that says otherwise is refused, nothing lost.
+    saved = checkpoint_files(shared_dir)
+    refusal = f"epoch 2 trained at LR {base / 4:g}, this schedule gives {base:g}"
+    with pytest.raises(ValueError, match=refusal):
+        lstm_language_model.main(
+            tiny_lm_argv(corpus, 4, "--checkpoint", ckpt, "--epochs", "4", "--lr-drop-after", "2")
+        )
+    assert checkpoint_files(shared_dir) == saved, "a refused resume changed the checkpoint"

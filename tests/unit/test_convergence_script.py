@@ -159,6 +159,7 @@ def lstm_record(config, seed, valid, lrs):
         e["test_perplexity"] = e.pop("test_accuracy")
         e.update(valid_perplexity=v, lr=lr)
     record["final"]["test_perplexity"] = record["final"].pop("test_accuracy")
+    record.update(args={"seed": seed, "lr": 10.0}, world_size=2)  # base LR 20
     return record
 
 
@@ -235,3 +236,28 @@ def test_lstm_report_shows_the_gap_to_plain_epoch_by_epoch(tmp_path):
     ]
     convergence.write_report(groups, str(tmp_path))
     assert "### Test perplexity epoch by epoch" in (tmp_path / "convergence.md").read_text()
+
+
+def test_a_run_trained_on_another_lr_schedule_is_not_extended(tmp_path, monkeypatch, capsys):
+    config = convergence.Config("lstm_language_model", 4)
+    args = convergence.parse_args(["--out", str(tmp_path)])
+    runs_dir = tmp_path / "convergence"
+    # Seed 42 cut its LR after epoch 2 (a stall); seed 43 ran 3 epochs at the base LR.
+    write_runs(runs_dir, [lstm_record(config, 42, [150, 151, 140], [20, 5, 5])])
+    write_runs(runs_dir, [lstm_record(config, 43, [150, 140, 130], [20, 20, 20])])
+    launched = []
+
+    def example(command, **kwargs):
+        launched.append(command)
+        return convergence.subprocess.CompletedProcess(command, 1)  # a failed run: nothing read
+
+    monkeypatch.setattr(convergence.subprocess, "run", example)
+    for seed in (42, 43):
+        argv = ["--epochs", "5", "--lr-drop-after", "3"]
+        convergence.run_one(f"{config.key}-s{seed}", config, argv, args, str(runs_dir))
+    out = capsys.readouterr().out
+    assert "s42: its LR was cut after epochs [2], this plan cuts after none; not run" in out
+    # Seed 43 followed the plan so far (its first cut comes after epoch 3): it goes on.
+    assert "s43: its LR" not in out
+    ((command),) = launched
+    assert command[command.index("--json") + 1].endswith("-s43.json")

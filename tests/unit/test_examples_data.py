@@ -193,3 +193,19 @@ def test_corpus_vocabulary_comes_from_the_training_split_only():
     assert eval_words <= set(corpus.words)
     # The numbers are rare and fall out of a 4-word vocabulary: they become <unk> (id 0).
     assert (corpus.ids["train"] == 0).sum() == len(corpus.ids["train"]) // 4
+
+
+# --- LSTM learning-rate schedule ------------------------------------------------------
+
+
+def test_lr_drop_after_divides_by_4_after_each_listed_epoch():
+    args = lm.build_parser().parse_args(["--lr-drop-after", "2,4"])
+    assert [lm.scheduled_lr(8.0, args.lr_drop_after, e) for e in range(1, 6)] == [8, 8, 2, 2, 0.5]
+    assert lm.build_parser().parse_args([]).lr_drop_after == ()
+
+
+@pytest.mark.parametrize("bad", ["4,2", "2,2", "0", "x"])
+def test_lr_drop_after_refuses_epochs_out_of_order(bad, capsys):
+    with pytest.raises(SystemExit):
+        lm.build_parser().parse_args(["--lr-drop-after", bad])
+    assert "--lr-drop-after" in capsys.readouterr().err
