@@ -67,7 +67,8 @@ demo: setup
 # (plain; rank 2 in both schedules; ranks 1, 4), the start_iter study, the LSTM on the
 # whole corpus (plain vs rank 4, both schedules, 2 seeds). Many hours on 2 cores, so not
 # part of `make test`; rerun to resume, or pass CONVERGENCE_ARGS="--parts fashion,warmup".
-# LSTM runs: 14 epochs, a checkpoint every epoch; CONVERGENCE_ARGS="--lm-epochs 20" trains on.
+# LSTM runs: 20 epochs, LR / 4 after epoch 14 in every run, a checkpoint every epoch;
+# CONVERGENCE_ARGS="--lm-epochs 24" trains on.
 convergence: setup
 	$(PY) scripts/convergence.py $(CONVERGENCE_ARGS)
 

@@ -9,8 +9,11 @@ What `make convergence` runs (issue 14). Three parts, each a list of runs:
   is constant, so a run's epoch-2 record is what a 2-epoch run would give; the report
   reads both horizons from the same runs.
 - ``lstm``: the LSTM language model on the whole Python-docs corpus, plain vs rank 4 in
-  both schedules, seeds 42/43, ``--lm-epochs`` epochs (validation perplexity and the
-  learning-rate drops are in every epoch's record, so "flattened" can be read off).
+  both schedules, seeds 42/43, ``--lm-epochs`` (20) epochs. Every run divides the LR by 4
+  after the same epochs (``--lm-lr-drop-after``, 14), so configurations compare at the
+  same LR in every epoch; with the stall rule each run cut at its own epoch, and the
+  first cut, not the compressor, decided the gap. Validation perplexity is in every
+  epoch's record, so "flattened" can be read off.
 
 Runs are ordered so that a campaign cut short still answers the main questions (seed 42
 of every configuration first). Every run writes its JSON and log under
@@ -23,7 +26,7 @@ epoch, and a larger ``--lm-epochs`` extends finished runs. After every run the r
     python scripts/convergence.py                          # fashion, warmup, lstm (many hours)
     python scripts/convergence.py --parts fashion,warmup   # Fashion-MNIST only
     python scripts/convergence.py --deadline 09:40         # start no run after 09:40 UTC
-    python scripts/convergence.py --parts lstm --lm-epochs 20  # train the LSTM runs on
+    python scripts/convergence.py --parts lstm --lm-epochs 24  # train the LSTM runs on
     python scripts/convergence.py --report-only            # rebuild the report
 """
 
@@ -94,7 +97,7 @@ def parse_args(argv=None):
     p.add_argument("--seeds", default="42,43,44", help="Fashion-MNIST seeds")
     p.add_argument("--lm-seeds", default="42,43", help="LSTM seeds")
     p.add_argument("--cnn-epochs", type=int, default=10, help="Fashion-MNIST epochs")
-    p.add_argument("--lm-epochs", type=int, default=14, help="LSTM epochs")
+    p.add_argument("--lm-epochs", type=int, default=20, help="LSTM epochs")
     p.add_argument(
         "--lm-lr-drop-after",
         default="14",

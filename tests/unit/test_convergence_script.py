@@ -43,11 +43,13 @@ def test_plan_passes_every_setting_to_the_example():
         assert argv[-2:] == ["--max-steps", "3"]
         if config.example == "lstm_language_model":
             assert flag(argv, "--train-subset") == "0", "the whole corpus"
-            assert flag(argv, "--epochs") == "14"
+            assert flag(argv, "--epochs") == "20"
+            assert flag(argv, "--lr-drop-after") == "14", "the same LR schedule in every run"
             # One checkpoint per run, outside the tracked results.
             assert flag(argv, "--checkpoint") == f"runs/convergence/{name}.ckpt"
         else:
             assert flag(argv, "--epochs") == "10"
+            assert "--lr-drop-after" not in argv
 
 
 def test_unknown_part_is_refused():
