@@ -137,6 +137,22 @@ def test_comparisons_pair_seeds_with_plain(tmp_path):
     assert "| rank 2, rounds=2 | 91.80 % |" in warmup, "seed 43 left out of this row"
 
 
+def test_a_seed_plain_lacks_is_left_out_of_the_gap_and_named(tmp_path):
+    plain = convergence.Config("lstm_language_model", 0)
+    r4 = convergence.Config("lstm_language_model", 4)
+    runs = [lstm_record(plain, 43, [200, 100], [20, 20])]  # plain seed 42 not run yet
+    runs += [lstm_record(r4, 42, [200, 90], [20, 20]), lstm_record(r4, 43, [200, 101], [20, 20])]
+    groups = write_runs(tmp_path / "convergence", runs)
+    # Seed 43 alone: 101 vs 100, +1 %. Both seeds against plain 43 would read -4.5 %.
+    (target,) = convergence._targets(groups)
+    assert "**met**" in target and "+1.00 % vs plain" in target, target
+    assert "seeds 43 vs plain 43 (seed 42: no plain run to compare with yet)" in target, target
+    summary = "\n".join(convergence._summary_table("lstm_language_model", groups))
+    assert "| 42,43 | 2 | 97.41 ± 7.93 (91.80-103.02) | +1.0 % |" in summary, summary
+    gap = convergence._gap_by_epoch_table(groups)
+    assert gap[-1] == "| 2 | 102.00 | 97.41 | +1.0 % |", gap
+
+
 def test_a_finished_run_is_not_run_again(tmp_path, monkeypatch):
     config = convergence.Config("fashion_mnist", 2)
     args = convergence.parse_args(["--out", str(tmp_path)])
