@@ -11,6 +11,10 @@ Launch (from the repository root):
     # save after every epoch; the same command resumes, a larger --epochs trains on
     horovodrun -np 2 -H localhost:2 python examples/lstm_language_model.py \
         --epochs 16 --checkpoint runs/lm.ckpt
+    # cut the LR by 4 after epochs 14 and 18 (default: after a validation stall); runs
+    # compared this way see the same LR in every epoch
+    horovodrun -np 2 -H localhost:2 python examples/lstm_language_model.py \
+        --epochs 20 --lr-drop-after 14,18
 
 The text is the English prose of the Python 3.11 documentation sources that
 Debian's ``python3.11-doc`` installs (/usr/share/doc/python3.11/html/_sources,
