@@ -432,6 +432,12 @@ def main(argv=None) -> dict:
     valid_ppl = test_ppl = float("nan")
     best_valid, first_epoch = float("inf"), 1
     if saved:  # go on where the checkpoint's run stopped, as if it never had
+        if saved.get("lr_drop_after") and not args.lr_drop_after:  # every rank has `saved`
+            raise ValueError(
+                "saved by a run with --lr-drop-after "
+                f"{','.join(map(str, saved['lr_drop_after']))}; pass it again (later drops "
+                "may be added) or the run would go on cutting the LR at validation stalls"
+            )
         if args.lr_drop_after:  # every rank has `saved`: all raise together, none waits
             _check_lr_history(saved["epochs"], base_lr, args.lr_drop_after)
             # The last record's "lr" is the next epoch's, which this schedule decides.
@@ -511,7 +517,8 @@ def main(argv=None) -> dict:
         if args.checkpoint:
             extra = {"settings": settings, "epochs": recorder.record["epochs"],
                      "best_valid": best_valid, "meter_steps": meter.totals()["steps"],
-                     "rng": torch.get_rng_state()}  # fmt: skip
+                     "rng": torch.get_rng_state(),
+                     "lr_drop_after": list(args.lr_drop_after)}  # fmt: skip
             save(args.checkpoint, model, optimizer, extra)
         common.log(
             f"epoch {epoch}: train loss {train_loss:.3f}, valid perplexity {valid_ppl:.1f}, "

@@ -172,8 +172,11 @@ def test_lstm_fixed_lr_drops_can_join_a_run_that_followed_them(shared_dir, corpu
     for a, b in zip(straight["model"].parameters(), resumed["model"].parameters(), strict=True):
         assert torch.equal(a, b), "resumed weights differ from an uninterrupted run's"
 
-    # Epoch 2 trained at base / 4; a schedule that says otherwise is refused, nothing lost.
+    # Refused, nothing lost: going on without the flag (the LR would then be cut at
+    # validation stalls), or with a schedule that says epoch 2 trained at the base LR.
     saved = checkpoint_files(shared_dir)
+    with pytest.raises(ValueError, match="saved by a run with --lr-drop-after 1,2; pass it"):
+        lstm_language_model.main(tiny_lm_argv(corpus, 4, "--checkpoint", ckpt, "--epochs", "4"))
     refusal = f"epoch 2 trained at LR {base / 4:g}, this schedule gives {base:g}"
     with pytest.raises(ValueError, match=refusal):
         lstm_language_model.main(
