@@ -216,10 +216,12 @@ def test_a_run_asked_for_more_epochs_goes_on_and_keeps_its_first_command(tmp_pat
         record = {k: v for k, v in record.items() if k not in ("launch", "config")}
         with open(json_path, "w") as f:
             json.dump(record, f)
+        kwargs["stdout"].write("epoch 3: the new launch\n")
         return convergence.subprocess.CompletedProcess(command, 0)
 
     monkeypatch.setattr(convergence.subprocess, "run", example)
     name = f"{config.key}-s42"
+    (runs_dir / f"{name}.log").write_text("epoch 1\nepoch 2\n")
     for epochs in ("2", "3"):  # 2 are there: skipped; 3: launched once
         convergence.run_one(name, config, ["--epochs", epochs], args, str(runs_dir))
     assert len(launched) == 1
@@ -227,6 +229,9 @@ def test_a_run_asked_for_more_epochs_goes_on_and_keeps_its_first_command(tmp_pat
         record = json.load(f)
     assert len(record["epochs"]) == 3
     assert record["earlier_launches"] == [done["launch"]]
+    log = (runs_dir / f"{name}.log").read_text()  # the earlier epochs' output stays
+    assert log.startswith("epoch 1\nepoch 2\n[convergence] launched ")
+    assert "--epochs 3" in log and log.endswith("epoch 3: the new launch\n")
     convergence.write_report(convergence.load_runs(str(runs_dir)), str(tmp_path))
     report = (tmp_path / "convergence.md").read_text()
     assert done["launch"]["command"] in report and "--epochs 3" in report
