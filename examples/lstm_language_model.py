@@ -443,6 +443,8 @@ def main(argv=None) -> dict:
             # The last record's "lr" is the next epoch's, which this schedule decides.
             next_lr = scheduled_lr(base_lr, args.lr_drop_after, len(saved["epochs"]) + 1)
             saved["epochs"][-1]["lr"] = next_lr
+            for group in optimizer.param_groups:
+                group["lr"] = next_lr
         recorder.resume(saved["epochs"])
         meter.resume(saved["meter_steps"])
         torch.set_rng_state(saved["rng"])  # dropout masks continue their stream
@@ -452,9 +454,6 @@ def main(argv=None) -> dict:
         )
         common.log(f"resumed from {args.checkpoint} after epoch {first_epoch - 1}")
     for epoch in range(first_epoch, args.epochs + 1):
-        if args.lr_drop_after:
-            for group in optimizer.param_groups:
-                group["lr"] = scheduled_lr(base_lr, args.lr_drop_after, epoch)
         model.train()
         start, before = time.perf_counter(), meter.totals()
         starts = range(0, len(train) - 1, args.bptt)
@@ -491,6 +490,7 @@ def main(argv=None) -> dict:
         valid_ppl = evaluate(model, valid, args.bptt)
         test_ppl = evaluate(model, test, args.bptt)
         if args.lr_drop_after:  # fixed epochs: runs compare at the same LR every epoch
+            # Set for the next epoch here (a fresh run starts at base_lr, a resumed one above).
             for group in optimizer.param_groups:
                 group["lr"] = scheduled_lr(base_lr, args.lr_drop_after, epoch + 1)
         elif valid_ppl > best_valid:

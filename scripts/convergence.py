@@ -213,7 +213,7 @@ def run_one(name, config, argv, args, runs_dir):
     # A run that goes on from its checkpoint keeps the earlier launches' output in its log.
     going_on = os.path.exists(json_path) and not args.rerun
     with open(log_path, "a" if going_on else "w") as log:
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(time.time()))
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
         log.write(f"[convergence] launched {stamp} UTC: {shown}\n")
         log.flush()
         proc = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
