@@ -343,12 +343,23 @@ FASHION = "/usr/share/datasets/fashion-mnist"
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 from fashion_mnist import read_idx  # noqa: E402  (the example's own IDX reader)
 
+# Seeds of the runs the bounds below compare, each a different data order,
+# initialisation and PowerSGD seed.
+CONVERGENCE_SEEDS = (0, 1, 2, 3)
 
-# rounds=1 learns here but lags: its first compressed steps start from a random
-# P memory, and half a power iteration a step catches up slowly. Measured:
-# test loss 11 % above plain Horovod's at rank 2 (12 % at rank 4), where
-# rounds=2 is within 5 % (docs/results/rounds.md).
-@pytest.mark.parametrize(("rounds", "limit"), [(2, 1.05), (1, 1.15)], ids=["rounds2", "rounds1"])
+
+# The bounds come from the spread over seeds, not from one run: one 200-step
+# trajectory's test loss depends on the processor's floating point (BLAS
+# kernels, summation order) about as much as on the seed, so a bound tuned to
+# one run on one CPU fails on another (issue 22). Measured on a 2-core AMD EPYC
+# with seeds 0-11 (docs/results/rounds.md): the ratio of compressed to plain
+# test loss per seed spans 0.97-1.04 for rounds=2 (sd 0.023) and 1.07-1.40
+# for rounds=1 (sd 0.12). Over all 495 sets of 4 of those seeds, the ratio of
+# the mean losses reached at most 1.033 (rounds=2; mean 1.011, sd 0.010) and
+# 1.339 (rounds=1; mean 1.187, sd 0.048). The limits sit 5 sd above the
+# mean, beyond every measured set: 1.06 and 1.45. Every run must also learn:
+# the worst loss seen was 0.80; chance is ln(10) = 2.30.
+@pytest.mark.parametrize(("rounds", "limit"), [(2, 1.06), (1, 1.45)], ids=["rounds2", "rounds1"])
 def test_rank2_converges_like_plain_horovod_on_fashion_mnist(rounds, limit):
     images = read_idx(f"{FASHION}/train-images-idx3-ubyte.gz")[:4096].float().div(255).flatten(1)
     labels = read_idx(f"{FASHION}/train-labels-idx1-ubyte.gz")[:4096].long()
@@ -357,19 +368,19 @@ def test_rank2_converges_like_plain_horovod_on_fashion_mnist(rounds, limit):
     shard = slice(hvd.rank(), None, hvd.size())  # each rank its own share
     x, y = images[shard], labels[shard]
 
-    def run(rank, rounds=2):
-        torch.manual_seed(0)
+    def run(seed, rank, rounds=2):
+        torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
         # A moderate step size: at lr 0.1 a single 150-step trajectory's test
-        # loss varied by +-20 % with the seed for plain and PowerSGD alike, too
-        # noisy to compare the two; at 0.02 rank 2 stayed within 1-3 % of plain
-        # over 4 data seeds x 3 PowerSGD seeds.
+        # loss varied by +-20 % with the seed for plain and PowerSGD alike.
         sgd = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
         if rank:
-            opt = hps.DistributedOptimizer(sgd, model.named_parameters(), rank=rank, rounds=rounds)
+            opt = hps.DistributedOptimizer(
+                sgd, model.named_parameters(), rank=rank, rounds=rounds, seed=seed
+            )
         else:
             opt = hvd.DistributedOptimizer(sgd, model.named_parameters())
-        g = torch.Generator().manual_seed(hvd.rank())
+        g = torch.Generator().manual_seed(1000 * seed + hvd.rank())
         for _ in range(200):
             idx = torch.randint(0, len(x), (32,), generator=g)
             opt.zero_grad()
@@ -378,11 +389,14 @@ def test_rank2_converges_like_plain_horovod_on_fashion_mnist(rounds, limit):
         with torch.no_grad():
             return F.cross_entropy(model(test_x), test_y).item(), opt
 
-    plain_loss, _ = run(0)
-    loss, opt = run(2, rounds)
-    assert opt.compression_stats()["ratio"] > 10
-    assert loss < 0.8  # it learned: chance level is ln(10) = 2.3
-    assert loss <= plain_loss * limit, (loss, plain_loss)
+    plain = [run(seed, 0)[0] for seed in CONVERGENCE_SEEDS]
+    compressed = []
+    for seed in CONVERGENCE_SEEDS:
+        loss, opt = run(seed, 2, rounds)
+        assert opt.compression_stats()["ratio"] > 10
+        assert loss < 1.0, (seed, loss)  # it learned
+        compressed.append(loss)
+    assert sum(compressed) <= limit * sum(plain), (compressed, plain)
 
 
 def test_no_warnings_in_normal_use():
