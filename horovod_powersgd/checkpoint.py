@@ -97,6 +97,12 @@ def save_checkpoint(path: str, model: torch.nn.Module, optimizer, **extra) -> No
         process_set,
     )
     # Only now, with every rank file in place, may the main file point to them.
+    # Its optimizer state keeps the shared PowerSGD state (step counter, Q
+    # memory, RNG; equal on every rank), so that Horovod's usual resume from it
+    # (rank 0 loads `["optimizer"]`) goes on with the same step and memories;
+    # only the error buffers, which differ per rank, live in the rank files alone.
+    compressor = {k: v for k, v in ours["compressor"].items() if k != "error_buffers"}
+    state[_STATE_KEY] = {**ours, "compressor": compressor}
     main = {
         "checkpoint": checkpoint,
         "model": model.state_dict(),

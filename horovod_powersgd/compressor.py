@@ -226,10 +226,14 @@ class _Bucket:
         def flat(sizes, dtype):
             return torch.zeros(sum(sizes), dtype=dtype, device=self.device)
 
-        # rounds=1 sends a prefix of each flat buffer: P holds the groups that
-        # always send P first, Q those that always send Q; alternating ones next.
-        p_order = sorted(groups, key=lambda g: {"p": 0, "q": 2}.get(g.sends[0], 1))
-        q_order = sorted(groups, key=lambda g: {"q": 0, "p": 2}.get(g.sends[1], 1))
+        # rounds=1 sends a prefix of each flat buffer, so each buffer orders its
+        # groups by how often they send it: P holds the groups that always send
+        # P first, then the alternating ones, then those that never send P
+        # (always Q); the Q buffer the other way round. (A stable sort keeps
+        # the groups' order within each kind, the same on every rank.)
+        sends_p = {("p", "p"): 0, ("q", "p"): 1, ("q", "q"): 2}
+        p_order = sorted(groups, key=lambda g: sends_p[g.sends])
+        q_order = sorted(groups, key=lambda g: 2 - sends_p[g.sends])
         p_sizes = [g.count * g.n * g.rank for g in p_order]
         q_sizes = [g.count * g.m * g.rank for g in q_order]
         self.p = flat(p_sizes, self.dtype)
@@ -681,6 +685,10 @@ class PowerSGDCompressor:
         """Restore `state_dict()` output; validates everything before changing anything."""
         self._load(state, self._tensor_keys())
 
+    def check_shared_state(self, shared: dict) -> None:
+        """Raise ValueError, naming the cause, if `shared` does not fit this model."""
+        self.check_state_dict(shared, self._tensor_keys()[1:])
+
     def load_shared_state(self, shared: dict) -> None:
         """Set the state equal on every rank: `shared_state()` of another worker."""
         self._load(shared, self._tensor_keys()[1:])
@@ -691,7 +699,13 @@ class PowerSGDCompressor:
         del state["error_buffers"]
         return state
 
-    def reset_error(self) -> None:
-        """Forget the residuals (e.g. after the set of workers changed)."""
-        for g in self._groups():
-            g.matrices.zero_()
+    def reset_error(self, names: Iterable[str] | None = None) -> None:
+        """Forget the residuals (e.g. after the set of workers changed), or those of `names`."""
+        if names is None:
+            for g in self._groups():
+                g.matrices.zero_()
+            return
+        for name in names:
+            if name in self._where:
+                group, i = self._where[name]
+                group.matrices[i].zero_()

@@ -60,6 +60,11 @@ class PowerSGDConfig:
     # dtype compressed steps send P, Q and uncompressed gradients in (None: their own);
     # orthogonalisation stays float32 or wider.
     comm_dtype: torch.dtype | None = None
+    # Compare a checksum of the parameters (and their optimizer state) across
+    # ranks every this many steps, and repair a difference from the first rank
+    # (0: never). Ranks rebuild P̂·Q_avgᵀ themselves, so processors or thread
+    # counts that round differently make them drift apart (guard.py).
+    drift_check_every: int = 100
     # --- Horovod semantics ------------------------------------------------------
     # Local backward passes accumulated before one communication step.
     backward_passes_per_step: int = 1
@@ -83,6 +88,10 @@ class PowerSGDConfig:
         for flag in ("error_feedback", "warm_start", "sparse_as_dense"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        if not _is_int(self.drift_check_every) or self.drift_check_every < 0:
+            raise ValueError(
+                f"drift_check_every must be an integer >= 0, got {self.drift_check_every!r}"
+            )
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.comm_dtype is not None and self.comm_dtype not in _COMM_DTYPES:

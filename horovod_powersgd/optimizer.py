@@ -15,7 +15,6 @@ import hashlib
 import itertools
 import os
 import pickle
-import sys
 import time
 import warnings
 import weakref
@@ -27,6 +26,7 @@ from horovod.torch.compression import FP16Compressor
 from horovod.torch.elastic import state as _elastic_state
 
 from .config import PowerSGDConfig
+from .guard import DriftGuard
 from .schedule import Schedule
 
 # Each optimizer gets its own collective names: a count per process set, since
@@ -41,11 +41,6 @@ _CAST = object()
 # among them: bfloat16 gradients travel as float32 copies, and comm_dtype
 # bfloat16 is refused up front.
 _REDUCIBLE = (torch.float16, torch.float32, torch.float64)
-
-# Horovod gives an optimizer no hook into hvd.broadcast_optimizer_state, but
-# that function starts by calling optimizer.state_dict() on every rank: the one
-# moment all ranks are known to be inside it (see `state_dict`).
-_BROADCAST_OPTIMIZER_STATE = getattr(hvd.broadcast_optimizer_state, "__code__", None)
 
 
 # hvd.synchronize() waits by spinning on sched_yield, which keeps a core busy
@@ -107,6 +102,11 @@ class _DistributedOptimizer:
         if self._active and os.environ.get("HOROVOD_ELASTIC") != "1":
             self._check_same_model_on_every_rank()
         self._synced_world_size = process_set.size()
+        # The first step after construction, and after every load_state_dict(),
+        # makes the ranks agree on the shared PowerSGD state before its first
+        # collective (see `_agree_on_shared_state`); `_loaded`: this rank loaded one.
+        self._agree_pending = self._active
+        self._loaded = False
 
         # The schedule reaches back through a weak proxy, like the hooks below:
         # a reference cycle would keep a replaced optimizer (and its hooks)
@@ -123,6 +123,14 @@ class _DistributedOptimizer:
             from_wire=lambda tensor, ctx: me._from_wire(tensor, ctx),
         )
         self.compressor = self._schedule.compressor
+        self._guard = DriftGuard(
+            [(self._names[p], p) for p in self._params],
+            config.drift_check_every,
+            allgather=lambda t, name: hvd.allgather(
+                t, name=f"{me._name}.{name}", process_set=me.process_set
+            ),
+            broadcast=lambda tensors, name: me._broadcast_in_place(tensors, name),
+        )
 
         # --- per step (internal) ---------------------------------------------------
         self._delay = {p: config.backward_passes_per_step for p in self._params}
@@ -132,6 +140,7 @@ class _DistributedOptimizer:
         self._synchronized = False
         self._should_synchronize = True
         self.powersgd_step = 0  # communication steps done so far
+        self._drift_check_due = False  # step() compares the parameters across ranks
 
         # --- statistics ------------------------------------------------------------------
         self._numel = sum(p.numel() for p in self._params)
@@ -192,12 +201,14 @@ class _DistributedOptimizer:
         the last sync, every rank resets them (each residual was a share of the
         old world's sum).
 
-        `hvd.broadcast_optimizer_state(opt, root_rank)` calls this on every
-        rank, and so does elastic Horovod's state sync; call it yourself after
-        changing the workers' state in any other way.
+        Elastic Horovod's state sync calls this on every rank, and the first
+        step after construction or `load_state_dict` does when the ranks'
+        shared state differs (see `_agree_on_shared_state`). Call it yourself
+        on every rank after a rank alone changed its state in the middle of
+        training (say, rank 0 loaded a state after steps had run).
         """
         shared = self.compressor.shared_state()
-        payload = {"compressor": shared, "step": self.powersgd_step}
+        payload = {"compressor": shared, "step": self.powersgd_step, "stats": self._stats}
         payload = hvd.broadcast_object(
             payload, root_rank=root_rank, name=f"{self._name}.sync", process_set=self.process_set
         )
@@ -208,6 +219,8 @@ class _DistributedOptimizer:
         )
         self.compressor.load_shared_state(root)
         self.powersgd_step = payload["step"]
+        self._stats = dict(payload["stats"])
+        self._agree_pending = self._loaded = False
         # One small all-gather tells every rank which ranks took the root's
         # state and whether any rank saw the world change (a worker that just
         # joined did not), so that all decide and warn alike: a warning on some
@@ -233,6 +246,31 @@ class _DistributedOptimizer:
                 f"{self.powersgd_step}): their error buffers start at zero",
                 stacklevel=3,
             )
+
+    def _agree_on_shared_state(self) -> None:
+        """Make every rank hold the same shared PowerSGD state before a step's collectives.
+
+        Runs at the first step after construction and after `load_state_dict`.
+        One small all-gather compares a digest of the step counter, Q (and P)
+        memory and RNG states. Equal everywhere (the usual case): nothing more.
+        Otherwise (say rank 0 alone loaded a checkpoint, and no
+        `hvd.broadcast_optimizer_state` followed, which SGD without momentum
+        does not need), the state of the lowest rank that loaded one (else
+        rank 0) goes to every rank, with a warning on every rank, instead of
+        the ranks disagreeing on warm-up, phase or shapes in the next
+        collective (a hang or a shape mismatch).
+        """
+        self._agree_pending = False
+        digest = _state_digest(self.powersgd_step, self.compressor.shared_state())
+        mine = torch.tensor([[int(self._loaded), *digest]], dtype=torch.int64)
+        everyone = hvd.allgather(
+            mine, name=f"{self._name}.agree", process_set=self.process_set
+        ).tolist()
+        self._loaded = False
+        if all(row[1:] == everyone[0][1:] for row in everyone):
+            return
+        root = next((r for r, row in enumerate(everyone) if row[0]), 0)
+        self.broadcast_powersgd_state(root)
 
     # --- hooks ---------------------------------------------------------------------------
     def _hook(self, p: torch.Tensor) -> None:
@@ -270,6 +308,8 @@ class _DistributedOptimizer:
 
     def _begin_step(self):
         self._step_begun = True
+        if self._agree_pending:
+            self._agree_on_shared_state()  # may change the step counter: first
         # A synchronize() whose step was skipped (e.g. by GradScaler) is over.
         self._synchronized = False
         # Elastic Horovod skips the state sync when workers only left, so the
@@ -332,13 +372,52 @@ class _DistributedOptimizer:
         for p in self._params:
             if p not in self._ready:
                 self._delay[p] = 0
+                if not p.requires_grad:
+                    # Frozen since construction (requires_grad_(False)): like
+                    # Horovod, it gets the average of what the ranks hold in
+                    # p.grad, zero after zero_grad(); its residual is dropped,
+                    # or PowerSGD would go on delivering it and move the layer.
+                    self.compressor.reset_error([self._names[p]])
                 self._gradient_ready(p)
         self._schedule.finish()
         self._stats["steps"] += 1
         self._stats["elements_uncompressed"] += self._numel
         self.powersgd_step += 1
+        # The check follows the update this step's gradients make (in step()).
+        self._drift_check_due = self._guard.due(self.powersgd_step)
         self._reset_step()
         self._synchronized = True
+
+    def _check_drift(self) -> None:
+        """Every `drift_check_every` steps: repair parameters that differ across ranks.
+
+        Runs right after the wrapped optimizer's step, so the parameters and
+        their optimizer state are identical on every rank after it. (If no
+        step() follows, say GradScaler skipped it on every rank, there is no
+        check this time.)
+        """
+        self._drift_check_due = False
+        root = 0
+        drifted = self._guard.check(self.state)
+        if drifted:
+            # Every rank knows the same list (from one all-gather): all warn alike.
+            warnings.warn(
+                f"parameters differed across ranks at step {self.powersgd_step} and were "
+                f"reset to rank {root}'s: {drifted[:5]}{' ...' if len(drifted) > 5 else ''} "
+                "(ranks rebuild the compressed gradient themselves, and processors or thread "
+                "counts that round differently drift apart; see drift_check_every)",
+                stacklevel=3,
+            )
+
+    def _broadcast_in_place(self, tensors, name: str) -> None:
+        handles = [
+            hvd.broadcast_async_(
+                t, root_rank=0, name=f"{self._name}.{name}.{i}", process_set=self.process_set
+            )
+            for i, t in enumerate(tensors)
+        ]
+        for handle in handles:
+            _wait(handle)
 
     def _reset_step(self) -> None:
         """Forget everything about the step in progress (after it, or on load_state_dict)."""
@@ -384,7 +463,10 @@ class _DistributedOptimizer:
             else:
                 self.synchronize()
         self._synchronized = False
-        return self._base.step(self, closure)
+        result = self._base.step(self, closure)
+        if self._drift_check_due:
+            self._check_drift()
+        return result
 
     def zero_grad(self, set_to_none: bool = True):
         if self._pending:
@@ -428,20 +510,8 @@ class _DistributedOptimizer:
         memory, RNG states and step counter. Error buffers differ per rank:
         save every rank's (see `save_checkpoint`), not only rank 0's.
 
-        Inside `hvd.broadcast_optimizer_state(opt, root_rank)` (which calls
-        this first, on every rank) it also makes the shared PowerSGD state
-        agree with the root's, so Horovod's usual resume (rank 0 loads, then
-        broadcasts) works; see `broadcast_powersgd_state`.
+        Rank-local, like any `state_dict()`: a rank may save it alone.
         """
-        caller = sys._getframe(1)
-        if (
-            self._active
-            and caller.f_code is _BROADCAST_OPTIMIZER_STATE
-            # Its first call only: the second (after initialising empty state)
-            # happens on the ranks whose state was empty, not on all ranks.
-            and "state_dict" not in caller.f_locals
-        ):
-            self.broadcast_powersgd_state(caller.f_locals["root_rank"])
         state = self._base.state_dict(self)
         state[_STATE_KEY] = {
             "step": self.powersgd_step,
@@ -464,12 +534,19 @@ class _DistributedOptimizer:
         """
         state_dict = dict(state_dict)
         ours = state_dict.pop(_STATE_KEY, None)
+        # The main file of `save_checkpoint` holds the shared state only: the
+        # error buffers are in the rank files.
+        shared_only = ours is not None and "error_buffers" not in ours["compressor"]
         if ours is not None:
-            self.compressor.check_state_dict(ours["compressor"])
+            if shared_only:
+                self.compressor.check_shared_state(ours["compressor"])
+            else:
+                self.compressor.check_state_dict(ours["compressor"])
         self._reset_step()
         self._synchronized = False
         self._should_synchronize = True
         self._base.load_state_dict(self, state_dict)
+        self._agree_pending, self._loaded = self._active, True
         if ours is None:
             warnings.warn(
                 "loading an optimizer state without PowerSGD state: error buffers and Q "
@@ -477,7 +554,17 @@ class _DistributedOptimizer:
                 stacklevel=2,
             )
             return
-        self.compressor.load_state_dict(ours["compressor"])
+        if shared_only:
+            self.compressor.load_shared_state(ours["compressor"])
+            self.compressor.reset_error()
+            warnings.warn(
+                "this optimizer state has PowerSGD's shared state (step counter, Q memory, "
+                "RNG) but not this rank's error buffers, which start at zero; "
+                "horovod_powersgd.load_checkpoint() on every rank resumes exactly",
+                stacklevel=2,
+            )
+        else:
+            self.compressor.load_state_dict(ours["compressor"])
         self.powersgd_step = ours["step"]
         self._stats = dict(ours["stats"])
         self._synced_world_size = self.process_set.size()
@@ -494,13 +581,14 @@ class _PowerSGDStateHandler(_elastic_state.OptimizerStateHandler):
     """`hvd.elastic.TorchState` handler for our optimizers.
 
     On every sync (start, and after each change of workers) it checks that all
-    ranks hold the same model, then does what the stock optimizer handler does:
-    `hvd.broadcast_optimizer_state`, which also brings the PowerSGD state that
-    must agree across ranks (see `state_dict`).
+    ranks hold the same model, brings rank 0's shared PowerSGD state to every
+    rank (`broadcast_powersgd_state`), then does what the stock optimizer
+    handler does: `hvd.broadcast_optimizer_state`.
     """
 
     def sync(self):
         self.value._check_same_model_on_every_rank()
+        self.value.broadcast_powersgd_state(root_rank=0)
         super().sync()
 
 
@@ -524,6 +612,7 @@ def DistributedOptimizer(
     warm_start: bool = True,
     seed: int = 0,
     comm_dtype: torch.dtype | None = None,
+    drift_check_every: int = 100,
 ):
     """Wrap a torch optimizer so that its gradients are averaged with PowerSGD.
 
@@ -597,6 +686,11 @@ def DistributedOptimizer(
         seed: seed of the random Q (must be, and is checked to be, equal on all ranks).
         comm_dtype: dtype compressed steps send P, Q and the uncompressed gradients
             in (None: the compute dtype for P/Q, the compression's for the rest).
+        drift_check_every: every this many steps, compare a checksum of the
+            parameters and their optimizer state across ranks (one pass over
+            them and one small all-gather); where they differ, take rank 0's
+            and warn on every rank (0: never). Ranks whose processors or
+            thread counts round differently drift apart by rounding errors.
 
     Returns:
         An optimizer of a class derived from `type(optimizer)`.
@@ -643,6 +737,7 @@ def DistributedOptimizer(
         warm_start=warm_start,
         seed=seed,
         comm_dtype=comm_dtype,
+        drift_check_every=drift_check_every,
         backward_passes_per_step=backward_passes_per_step,
         gradient_predivide_factor=gradient_predivide_factor,
         sparse_as_dense=sparse_as_dense,
@@ -756,6 +851,24 @@ def _check_named_parameters(optimizer, named_parameters):
         )
     param_ids = {id(p) for p in params}
     return [(name, p) for name, p in named_parameters if id(p) in param_ids]
+
+
+def _state_digest(step: int, shared: dict) -> list[int]:
+    """SHA-256 of the step counter and the shared PowerSGD state, as 4 int64 numbers."""
+    h = hashlib.sha256(str(step).encode())
+    for key in sorted(shared):
+        value = shared[key]
+        h.update(key.encode())
+        if isinstance(value, dict):
+            for name in sorted(value):
+                h.update(name.encode())
+                h.update(value[name].detach().cpu().contiguous().view(torch.uint8).numpy())
+        elif isinstance(value, list):
+            for tensor in value:
+                h.update(tensor.cpu().contiguous().view(torch.uint8).numpy())
+        else:
+            h.update(repr(value).encode())
+    return [int.from_bytes(h.digest()[i : i + 8], "little", signed=True) for i in (0, 8, 16, 24)]
 
 
 def _allgather_bytes(blob: bytes, name: str, process_set) -> list[bytes]:

@@ -11,7 +11,7 @@ import horovod.torch as hvd
 import numpy as np
 import pytest
 import torch
-from helpers import make_model, powersgd, train
+from helpers import assert_same_on_every_rank, make_model, powersgd, train
 
 import horovod_powersgd as hps
 
@@ -73,6 +73,50 @@ def test_resume_is_bit_exact(path):
     for (n, a), b in zip(model.named_parameters(), resumed.parameters()):
         assert torch.equal(a, b), n
     assert resumed_opt.compression_stats() == opt.compression_stats()
+
+
+@pytest.mark.parametrize("rounds", [2, 1])
+def test_horovods_rank0_resume_from_the_main_file_keeps_the_shared_state(path, rank, rounds):
+    # Issue 23, item 6: saved with save_checkpoint, loaded the way Horovod's examples
+    # load theirs: rank 0 reads the main file's optimizer state, then broadcasts.
+    model = make_model()
+    opt = powersgd(model, rank=2, rounds=rounds, start_iter=4)
+    train(model, opt, steps=7)  # rounds=1: the next step is a P-step
+    hps.save_checkpoint(path, model, opt)
+    shared = opt.compressor.shared_state()
+
+    resumed = make_model(seed=123)
+    resumed_opt = powersgd(resumed, rank=2, rounds=rounds, start_iter=4)
+    if rank == 0:
+        main = torch.load(path, weights_only=True)
+        resumed.load_state_dict(main["model"])
+        with pytest.warns(UserWarning, match="error buffers, which start at zero"):
+            resumed_opt.load_state_dict(main["optimizer"])
+        # The main file held the step counter, the memories and the RNG states.
+        assert resumed_opt.powersgd_step == 7
+        loaded = resumed_opt.compressor.shared_state()
+        assert loaded["steps"] == shared["steps"]
+        for kind in ("q_memory", "p_memory") if rounds == 1 else ("q_memory",):
+            for name, tensor in shared[kind].items():
+                assert torch.equal(loaded[kind][name], tensor), (kind, name)
+        assert all(torch.equal(a, b) for a, b in zip(loaded["rng_states"], shared["rng_states"]))
+    hvd.broadcast_parameters(resumed.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(resumed_opt, root_rank=0)
+    before = resumed_opt.compression_stats()
+    with pytest.warns(UserWarning, match="took the PowerSGD state of rank 0"):
+        train(resumed, resumed_opt, steps=1, first_step=7)
+    # Every rank went on from step 7, compressed (no second warm-up), in step.
+    assert resumed_opt.powersgd_step == 8
+    after = resumed_opt.compression_stats()
+    sent = after["elements_sent"] - before["elements_sent"]
+    assert sent < after["elements_uncompressed"] - before["elements_uncompressed"]
+    for kind, tensors in resumed_opt.compressor.shared_state().items():
+        if isinstance(tensors, dict):
+            for name, tensor in tensors.items():
+                assert_same_on_every_rank(tensor, f"{kind}.{name}")
+    for n, p in resumed.named_parameters():
+        assert torch.isfinite(p).all(), n
+        assert_same_on_every_rank(p, n)
 
 
 @pytest.mark.world_size(2)

@@ -30,21 +30,19 @@ def test_rank0_load_then_broadcast_optimizer_state_resumes_on_every_rank():
         resumed.load_state_dict(saved["model"])
         resumed_opt.load_state_dict(saved["optimizer"])
     hvd.broadcast_parameters(resumed.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(resumed_opt, root_rank=0)
+    # The first step agrees on rank 0's step counter (4), Q memory and RNG before
+    # its first collective: step 4 is plain on every rank, 5-7 compressed, no stall.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        hvd.broadcast_optimizer_state(resumed_opt, root_rank=0)
+        train(resumed, resumed_opt, steps=4, first_step=4)
     took_over = [w for w in caught if "error buffers start at zero" in str(w.message)]
-
-    # Every rank is now at step 4, with the root's Q memory and RNG.
-    assert_same_on_every_rank(torch.tensor([resumed_opt.powersgd_step]), "step")
-    for n, q in resumed_opt.compressor.state_dict()["q_memory"].items():
-        assert_same_on_every_rank(q, f"q.{n}")
-    # Steps 4 (plain) and 5-7 (compressed) run on every rank without a stall.
-    train(resumed, resumed_opt, steps=4, first_step=4)
     train(model, opt, steps=4, first_step=4)
     for n, p in resumed.named_parameters():
         assert_same_on_every_rank(p, n)
         assert torch.isfinite(p).all()
+    for n, q in resumed_opt.compressor.state_dict()["q_memory"].items():
+        assert_same_on_every_rank(q, f"q.{n}")
     assert resumed_opt.powersgd_step == opt.powersgd_step == 8
     # Every rank says alike which ranks dropped their residuals (all but the root).
     assert len(took_over) == 1, [str(w.message) for w in caught]
@@ -190,3 +188,34 @@ def test_step_after_synchronize_without_skip_equals_the_skip_synchronize_step():
         params.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*params):
         assert torch.equal(a, b)
+
+
+# --- a layer frozen in the middle of training (issue 23, item 5) ------------------------------
+@pytest.mark.parametrize("rounds", [2, 1])
+def test_a_layer_frozen_mid_training_stays_where_it_is_like_horovod(rounds):
+    model = make_model()
+    opt = hps.DistributedOptimizer(  # no momentum, no weight decay: a zero gradient moves nothing
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        named_parameters=model.named_parameters(),
+        rank=2,
+        rounds=rounds,
+    )
+    train(model, opt, steps=5)  # the first layer now carries a residual
+    name = "0.weight"
+    assert opt.compressor.state_dict()["error_buffers"][name].abs().sum() > 0
+    model[0].requires_grad_(False)
+    frozen = [p.detach().clone() for p in model[0].parameters()]
+    train(model, opt, steps=20, first_step=5)
+    for before, p in zip(frozen, model[0].parameters()):
+        assert torch.equal(before, p)
+    assert torch.equal(
+        opt.compressor.state_dict()["error_buffers"][name],
+        torch.zeros_like(model[0].weight),
+    )
+    # The other layers trained on, identical on every rank.
+    for n, p in model.named_parameters():
+        assert_same_on_every_rank(p, n)
+    # Unfrozen, the layer trains again.
+    model[0].requires_grad_(True)
+    train(model, opt, steps=2, first_step=25)
+    assert not torch.equal(frozen[0], model[0].weight)
