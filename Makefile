@@ -76,7 +76,8 @@ convergence: setup
 # 200 Mbit/s and 50 Mbit/s (tc-capped network namespaces): ResNet-18 at rank 2
 # and the LSTM at rank 4, both schedules (rounds=2 `powersgd`, rounds=1
 # `powersgd-1round`) against local training, plain Horovod and torch's
-# powerSGD_hook -> docs/benchmarks.md + .png. Plain Horovod's LSTM at 50 Mbit/s
+# powerSGD_hook, and a model of 300 layers of distinct shapes (unlimited only)
+# -> docs/benchmarks.md + .png. Plain Horovod's LSTM at 50 Mbit/s
 # is left out (over 30 s a step). About an hour on 2 cores with BENCH_REPEAT=2,
 # so not part of `make test`; nothing else may run meanwhile.
 BENCH_REPEAT ?= 2
@@ -87,6 +88,9 @@ BENCH_LSTM = $(BENCH_COMMON) --models lstm --compare-rank 4 --bandwidth unlimite
 	--configs local,horovod,powersgd:4,powersgd-1round:4,ddp-powersgd:4
 BENCH_LSTM_50 = $(BENCH_COMMON) --models lstm --compare-rank 4 --bandwidth 50mbit \
 	--configs local,powersgd:4,powersgd-1round:4,ddp-powersgd:4
+# Many distinct layer shapes (issue 23): the local math's per-shape overhead, unlimited.
+BENCH_MANY = $(BENCH_COMMON) --models manyshapes --bandwidth unlimited \
+	--configs local,horovod,powersgd:2,powersgd-1round:2
 # Bytes are the same at any speed: the float16 variants run once, unlimited.
 BENCH_FP16 = -np 2 --warmup-steps 3 --steps 2 --models resnet18 \
 	--configs powersgd-fp16:2,powersgd-1round-fp16:2
@@ -96,8 +100,9 @@ bench: setup
 	$(PY) -m horovod_powersgd.bench $(BENCH_LSTM) --json build/bench-lstm.json
 	$(PY) -m horovod_powersgd.bench $(BENCH_LSTM_50) --json build/bench-lstm-50.json
 	$(PY) -m horovod_powersgd.bench $(BENCH_FP16) --json build/bench-fp16.json
+	$(PY) -m horovod_powersgd.bench $(BENCH_MANY) --json build/bench-many.json
 	$(PY) -m horovod_powersgd.bench $(BENCH_COMMON) --from-json build/bench-resnet18.json build/bench-lstm.json \
-		build/bench-lstm-50.json build/bench-fp16.json --command-line "make bench" \
+		build/bench-lstm-50.json build/bench-fp16.json build/bench-many.json --command-line "make bench" \
 		--plot docs/benchmarks.png --markdown docs/benchmarks.md
 
 # 2000 steps under mpirun: RSS over time and NaN/Inf checks -> docs/long_run.md

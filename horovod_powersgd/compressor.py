@@ -173,7 +173,7 @@ class _Group:
     qt_comm: torch.Tensor | None = None  # (k, r, m) view into the bucket's Q comm buffer
     p_offset: int = 0  # where this group's P and Q start in the flat buffers
     q_offset: int = 0
-    finite: torch.Tensor | None = None  # (k, 1, 1) bool: summed factor finite this step
+    first: int = 0  # index of its first matrix among the bucket's (groups in order)
     # float16 on the wire only: P and Q leave multiplied by these powers of two
     # (k, 1, 1), so that they sit well inside float16's range (see `_wire_scale`).
     p_scale: torch.Tensor | None = None
@@ -204,6 +204,92 @@ class _Group:
         return self.pt_memory.transpose(1, 2)
 
 
+class _Padded:
+    """Same-side factors of several groups, orthogonalised as one zero-padded batch.
+
+    `orthogonalize_` costs about 40 small operations per call, whatever the
+    batch: called once per shape, it dominated the step of a model with
+    hundreds of shapes (issue 23), and on an accelerator each is a kernel
+    launch. Zero rows and zero columns change neither the norms nor the
+    projections of the real ones, and `orthogonalize_` keeps a zero column
+    zero, so each matrix comes out as it would alone (up to rounding, which is
+    the same on every rank). A batch holds groups at most twice as long as its
+    shortest, so padding at most doubles that work. Factors move between the
+    bucket's flat buffers and the batch with one indexed copy each way; a
+    batch of one group works on the flat buffer's view, without copies.
+
+    Tensors are in the groups' transposed layout, (k, r, x); `side` "p" pads
+    P-shaped factors (x = n, flat buffers in P's layout), "q" Q-shaped ones
+    (x = m, Q's layout).
+    """
+
+    def __init__(self, groups: list[_Group], side: str, dtype, device, draws: bool):
+        self.groups = groups
+        self.side = side
+        lengths = [g.n if side == "p" else g.m for g in groups]
+        offsets = [g.p_offset if side == "p" else g.q_offset for g in groups]
+        self.spans = []  # (first matrix, end) of each group in the batch
+        for g in groups:
+            start = self.spans[-1][1] if self.spans else 0
+            self.spans.append((start, start + g.count))
+        self.single = (offsets[0], groups[0].count, groups[0].rank, lengths[0])
+        self.rows = self.draw = None
+        if len(groups) == 1:
+            return
+        count, rank, length = self.spans[-1][1], max(g.rank for g in groups), max(lengths)
+        self.rows = torch.zeros(count, rank, length, dtype=dtype, device=device)
+        if draws:
+            self.draw = torch.zeros_like(self.rows)
+        src, dst = [], []
+        for g, (a, _), x, offset in zip(groups, self.spans, lengths, offsets):
+            src.append(offset + torch.arange(g.count * g.rank * x))
+            i = torch.arange(a, a + g.count).view(-1, 1, 1)
+            j = torch.arange(g.rank).view(1, -1, 1)
+            place = (i * rank + j) * length + torch.arange(x).view(1, 1, -1)
+            dst.append(place.reshape(-1))
+        self.src = torch.cat(src).to(device)  # element of the flat buffer ...
+        self.dst = torch.cat(dst).to(device)  # ... and its place in the batch
+
+    def _view(self, flat: torch.Tensor) -> torch.Tensor:
+        offset, count, rank, length = self.single
+        return flat[offset : offset + count * rank * length].view(count, rank, length)
+
+    def gather(self, flat: torch.Tensor, draw_flat: torch.Tensor | None = None):
+        """(batch, draws' batch): the groups' factors of `flat` (and `draw_flat`), padded."""
+        if self.rows is None:
+            return self._view(flat), (None if draw_flat is None else self._view(draw_flat))
+        # Zero first: a non-finite matrix leaves NaN in its padding, which
+        # must not reach the next step's norms.
+        self.rows.zero_()
+        self.rows.view(-1).index_copy_(0, self.dst, flat.index_select(0, self.src))
+        if draw_flat is not None:
+            self.draw.view(-1).index_copy_(0, self.dst, draw_flat.index_select(0, self.src))
+        return self.rows, self.draw
+
+    def scatter(self, flat: torch.Tensor) -> None:
+        """Copy the batch's results back into `flat`."""
+        if self.rows is not None:
+            flat.index_copy_(0, self.src, self.rows.view(-1).index_select(0, self.dst))
+
+    def split(self, per_matrix):
+        """A (K, 1, 1) tensor of the batch as per-group (k, 1, 1) views (None: Nones)."""
+        return [None if per_matrix is None else per_matrix[a:b] for a, b in self.spans]
+
+
+def _padded_batches(groups, side: str, dtype, device, draws: bool) -> list[_Padded]:
+    """`groups` by length (n for side "p", m for "q"), cut where a length doubles."""
+    length = (lambda g: g.n) if side == "p" else (lambda g: g.m)
+    batches, current = [], []
+    for g in sorted(groups, key=length):  # stable: the same batches on every rank
+        if current and length(g) > 2 * length(current[0]):
+            batches.append(current)
+            current = []
+        current.append(g)
+    if current:
+        batches.append(current)
+    return [_Padded(b, side, dtype, device, draws) for b in batches]
+
+
 class _Bucket:
     """The groups of one caller's bucket, device and compute dtype: one flat P and Q buffer."""
 
@@ -219,6 +305,37 @@ class _Bucket:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.sent: list[str] = []  # rounds=1: "p"/"q", what send_buffers() returned
+
+    def _matrix_ids(self, order, sizes) -> torch.Tensor:
+        parts = [
+            torch.arange(g.first, g.first + g.count).repeat_interleave(size // g.count)
+            for g, size in zip(order, sizes)
+        ]
+        return torch.cat(parts).to(self.device) if parts else torch.zeros(0, dtype=torch.long)
+
+    def finite_matrices(self, parts) -> torch.Tensor:
+        """(K,) bool: whether every element of each matrix in `parts` is finite.
+
+        `parts`: (flat tensor, its matrix ids) pairs; a tensor may be a prefix
+        of a flat buffer. Matrices in none of them count as finite.
+        """
+        if self.device.type == "cpu" and all(bool(torch.isfinite(t).all()) for t, _ in parts):
+            # The usual case, seen from the host at no cost on the CPU.
+            return self.all_finite
+        bad = torch.zeros(self.matrix_count, dtype=torch.int32, device=self.device)
+        for tensor, ids in parts:
+            bad.index_add_(0, ids[: tensor.numel()], (~torch.isfinite(tensor)).to(torch.int32))
+        return bad == 0
+
+    def drop_non_finite_error(self, finite: torch.Tensor) -> None:
+        """Zero the error buffers of the matrices whose flag in `finite` (K,) is False."""
+        # On the CPU a host-side look at the flags costs nothing and saves a
+        # pass over every error buffer; on an accelerator it would stall the
+        # stream, so there the fill runs unconditionally.
+        if self.device.type == "cpu" and bool(finite.all()):
+            return
+        for g in self.groups.values():
+            g.matrices.masked_fill_(~finite[g.first : g.first + g.count].view(-1, 1, 1), 0)
 
     def allocate(self):
         groups = list(self.groups.values())
@@ -260,8 +377,18 @@ class _Bucket:
             g.qt_memory = self.q_memory[offset : offset + size].view(g.count, g.rank, g.m)
             g.qt_comm = self.q_comm[offset : offset + size].view(g.count, g.rank, g.m)
             offset += size
+        first = 0
         for g in groups:
             g.matrices = torch.zeros(g.count, g.n, g.m, dtype=self.dtype, device=self.device)
+            g.first = first
+            first += g.count
+        # Which matrix each element of the flat buffers belongs to: per-matrix
+        # flags (finite or not) for the whole bucket come from one indexed sum.
+        self.matrix_count = first
+        self.p_matrix = self._matrix_ids(p_order, p_sizes)
+        self.q_matrix = self._matrix_ids(q_order, q_sizes)
+        self.all_finite = torch.ones(first, dtype=torch.bool, device=self.device)
+        self.p_finite = self.all_finite  # rounds=2: per matrix, the summed P of this step
         # How much of each buffer a rounds=1 step sends, by step parity.
         self.p_sent = [
             sum(s for g, s in zip(p_order, p_sizes) if g.sends[phase] == "p") for phase in (0, 1)
@@ -272,6 +399,22 @@ class _Bucket:
         self.q_memory.normal_(generator=self.generator)
         if self.p_memory is not None:
             self.p_memory.normal_(generator=self.generator)
+        # What is orthogonalised together (built last: it needs the offsets):
+        # per step parity, the partners
+        # (rounds=2: every Q̂; rounds=1: P̂ for groups sending Q, Q̂ for those
+        # sending P), and (rounds=2) the summed P of every group.
+        args = (self.dtype, self.device)
+        if self.rounds == 2:
+            partners = _padded_batches(groups, "q", *args, draws=True)
+            self.partner_batches = [partners, partners]
+            self.project_batches = _padded_batches(groups, "p", *args, draws=False)
+        else:
+            self.partner_batches = [
+                _padded_batches([g for g in groups if g.sends[phase] == "q"], "p", *args, True)
+                + _padded_batches([g for g in groups if g.sends[phase] == "p"], "q", *args, True)
+                for phase in (0, 1)
+            ]
+            self.project_batches = []
 
 
 class PowerSGDCompressor:
@@ -398,33 +541,43 @@ class PowerSGDCompressor:
                 bucket.p.normal_(generator=bucket.generator)
             for g in bucket.groups.values():
                 g.p_scale = g.q_scale = None
-                if bucket.rounds == 2:
-                    g.p_scale = self._partner(bucket, g.qt_memory, g.qt_local, self.steps > 0)
-                    continue
-                alternating = g.sends[0] != g.sends[1]
-                warm = alternating and self.steps > 0  # the partner was averaged last step
-                if g.sends[self.phase] == "q":
-                    g.q_scale = self._partner(bucket, g.pt_memory, g.pt, warm)
+            for batch in bucket.partner_batches[self.phase]:
+                # A Q̂ partner goes with a P that is sent, and the other way round.
+                if batch.side == "q":
+                    memory, draw = bucket.q_memory, bucket.q_local
                 else:
-                    g.p_scale = self._partner(bucket, g.qt_memory, g.qt_local, warm)
+                    memory, draw = bucket.p_memory, bucket.p
+                scales = batch.split(self._partner(bucket, batch, memory, draw))
+                for g, scale in zip(batch.groups, scales):
+                    if bucket.rounds == 1 and g.sends[0] == g.sends[1]:
+                        scale = None  # its partner was never averaged: a random draw
+                    if batch.side == "q":
+                        g.p_scale = scale
+                    else:
+                        g.q_scale = scale
 
-    def _partner(self, bucket, memory, draw, warm: bool):
-        """Orthonormalise `memory` (k, r, x) in place; returns the wire scale it implies.
+    def _partner(self, bucket, batch: _Padded, memory, draw):
+        """Orthonormalise the batch's part of the flat `memory` in place; returns its wire scale.
+
+        Memory columns that are all zero take the draw's (from `draw`, same layout).
 
         P = M·Q̂ against an orthonormal Q̂ has the magnitude of M; the memory
         itself (last step's average of Mᵀ·P̂ or M·Q̂) has the magnitude of M too,
         and its column norms, M's singular values, bound the factor computed
-        against it. That bound sets the float16 wire scale (None: scale 1).
+        against it. That bound sets the float16 wire scale ((K, 1, 1) over
+        the batch's matrices; None: scale 1).
         """
+        rows, draw = batch.gather(memory, draw)
         scale = None
         if not self.config.warm_start:
-            memory.copy_(draw)
+            rows.copy_(draw)
         else:
-            norms = torch.linalg.vector_norm(memory, dim=2, keepdim=True)
-            torch.where(norms == 0, draw, memory, out=memory)
-            if bucket.scaled and warm:
+            norms = torch.linalg.vector_norm(rows, dim=2, keepdim=True)
+            torch.where(norms == 0, draw, rows, out=rows)
+            if bucket.scaled and self.steps > 0:  # warm: the memory was averaged last step
                 scale = _wire_scale(norms.amax(dim=1, keepdim=True), self.workers)
-        orthogonalize_(memory.transpose(1, 2))
+        orthogonalize_(rows.transpose(1, 2))
+        batch.scatter(memory)
         return scale
 
     def compress(self, name: str, grad: torch.Tensor | None) -> None:
@@ -495,19 +648,27 @@ class PowerSGDCompressor:
         for b, p_sum in zip(self._select(bucket), p_sums):
             if b.p_comm is not b.p:
                 b.p.copy_(p_sum)
-            for g in b.groups.values():
-                g.finite = torch.isfinite(g.p).all(dim=2, keepdim=True).all(dim=1, keepdim=True)
+            b.p_finite = b.finite_matrices([(b.p, b.p_matrix)])
+            for batch in b.project_batches:
+                rows, _ = batch.gather(b.p)
+                norms = None
                 if b.scaled:
                     # Column norms of the summed P estimate M's singular values,
                     # which bound Q_w = Mᵀ·P̂ (P's own wire scale divided out).
-                    norms = torch.linalg.vector_norm(g.pt, dim=2, keepdim=True).amax(dim=1)
-                    norms = norms.view(g.count, 1, 1)
-                    if g.p_scale is not None:
-                        norms = norms / g.p_scale
-                    g.q_scale = _wire_scale(norms, self.workers)
-                orthogonalize_(g.p)
-                torch.bmm(g.pt, g.matrices, out=g.qt_local)  # Q_wᵀ = P̂ᵀ·M
-                g.qt_comm.copy_(g.qt_local if g.q_scale is None else g.qt_local * g.q_scale)
+                    norms = torch.linalg.vector_norm(rows, dim=2, keepdim=True)
+                    norms = norms.amax(dim=1, keepdim=True)
+                orthogonalize_(rows.transpose(1, 2))
+                batch.scatter(b.p)
+                for g, g_norms in zip(batch.groups, batch.split(norms)):
+                    if b.scaled:
+                        if g.p_scale is not None:
+                            g_norms = g_norms / g.p_scale
+                        g.q_scale = _wire_scale(g_norms, self.workers)
+                    torch.bmm(g.pt, g.matrices, out=g.qt_local)  # Q_wᵀ = P̂ᵀ·M
+                    if b.scaled:
+                        g.qt_comm.copy_(g.qt_local * g.q_scale)
+            if not b.scaled:
+                b.q_comm.copy_(b.q_local)  # one copy for the whole bucket
             out.append(b.q_comm)
         return out
 
@@ -523,15 +684,7 @@ class PowerSGDCompressor:
         for b in self._select(bucket):
             for g in b.groups.values():
                 g.matrices.baddbmm_(g.p, g.qt_local, alpha=-1)
-                self._drop_non_finite_error(g)
-
-    @staticmethod
-    def _drop_non_finite_error(g: _Group) -> None:
-        # On the CPU a host-side look at the flags costs nothing and saves a
-        # pass over every error buffer; on an accelerator it would stall the
-        # stream, so there the fill runs unconditionally.
-        if g.matrices.device.type != "cpu" or not bool(g.finite.all()):
-            g.matrices.masked_fill_(~g.finite, 0)
+            b.drop_non_finite_error(b.p_finite)
 
     def decompress(
         self, avgs: list[torch.Tensor], out: dict[str, torch.Tensor] | None = None, bucket=None
@@ -558,41 +711,45 @@ class PowerSGDCompressor:
         received = iter(avgs)
         for b in self._select(bucket):
             kinds = ["q"] if b.rounds == 2 else b.sent
-            buffers = {kind: next(received) for kind in kinds}
+            # Flat, in the compute dtype (a copy only where the wire's differs).
+            factors = {kind: next(received).to(b.dtype) for kind in kinds}
+            for g in b.groups.values():  # float16 wire: divide the powers of two out, exactly
+                sends = "q" if b.rounds == 2 else g.sends[self.phase]
+                scale = g.q_scale if sends == "q" else g.p_scale
+                if scale is not None:
+                    self._factor(g, sends, factors[sends]).div_(scale)
+            ids = {"p": b.p_matrix, "q": b.q_matrix}
+            finite = b.finite_matrices([(factors[k], ids[k]) for k in kinds])
+            if b.rounds == 2:
+                finite = finite & b.p_finite
+            elif self.config.error_feedback:
+                b.drop_non_finite_error(finite)
+            # The averaged factor becomes its memory where finite; memories
+            # keep their last finite value.
+            memories = {"p": b.p_memory, "q": b.q_memory}
+            for kind, factor in factors.items():
+                memory = memories[kind][: factor.numel()]
+                torch.where(finite[ids[kind][: factor.numel()]], factor, memory, out=memory)
+            # The gradient uses the factor that was sent, finite or not: a
+            # non-finite gradient must reach the optimizer (GradScaler skips it).
             for g in b.groups.values():
                 sends = "q" if b.rounds == 2 else g.sends[self.phase]
-                if sends == "q":
-                    size = g.count * g.rank * g.m
-                    factor = buffers["q"][g.q_offset : g.q_offset + size]
-                    factor = factor.view(g.count, g.rank, g.m).to(b.dtype)
-                    scale, memory = g.q_scale, g.qt_memory
-                    left = g.pt if b.rounds == 2 else g.pt_memory  # P̂ᵀ
-                else:
-                    size = g.count * g.rank * g.n
-                    factor = buffers["p"][g.p_offset : g.p_offset + size]
-                    factor = factor.view(g.count, g.rank, g.n).to(b.dtype)
-                    scale, memory = g.p_scale, g.pt_memory
-                    left = None
-                if scale is not None:
-                    factor = factor / scale  # a power of two: exact
-                finite = torch.isfinite(factor).all(dim=2, keepdim=True).all(dim=1, keepdim=True)
-                if b.rounds == 2:
-                    finite = finite & g.finite
-                else:
-                    g.finite = finite
-                    if self.config.error_feedback:
-                        self._drop_non_finite_error(g)
-                torch.where(finite, factor, memory, out=memory)
-                # The gradient uses the factor that was sent, finite or not: a
-                # non-finite gradient must reach the optimizer (GradScaler skips it).
+                factor = self._factor(g, sends, factors[sends])
                 for i, name in enumerate(g.names):
                     # grad = P̂·Q_avgᵀ or P_avg·Q̂ᵀ, both (n x r)·(r x m)
-                    if left is not None:
-                        a, c = left[i].T, factor[i]
+                    if sends == "q":
+                        a, c = (g.pt if b.rounds == 2 else g.pt_memory)[i].T, factor[i]
                     else:
                         a, c = factor[i].T, g.qt_memory[i]
                     grads[name] = self._write(a, c, g, name, None if out is None else out.get(name))
         return grads
+
+    @staticmethod
+    def _factor(g: _Group, kind: str, flat: torch.Tensor) -> torch.Tensor:
+        """The group's (k, r, x) view of a flat P ("p") or Q ("q") buffer."""
+        if kind == "q":
+            return flat[g.q_offset : g.q_offset + g.count * g.rank * g.m].view(g.count, g.rank, g.m)
+        return flat[g.p_offset : g.p_offset + g.count * g.rank * g.n].view(g.count, g.rank, g.n)
 
     def _write(self, a, c, g: _Group, name: str, target) -> torch.Tensor:
         """a·c into `target` (or a new tensor), shaped like the parameter."""

@@ -7,6 +7,10 @@
 * ``lstm``: the paper's WikiText-2 language model: 3-layer LSTM, embedding and
   hidden size 650, decoder weight tied to the embedding. The vocabulary of
   28,869 tokens gives 28.95M parameters.
+* ``manyshapes``: 300 linear layers of random widths (32-288, fixed seed), so
+  nearly every layer is a shape of its own (issue 23: work batched per shape
+  alone cost 2.6-3.5x plain Horovod's step on such a model): 298 shapes,
+  8.15M parameters.
 
 Both come with a synthetic batch maker: the benchmark measures speed and bytes,
 not accuracy, so the inputs are random tensors of the right shapes.
@@ -85,6 +89,37 @@ class LSTMLanguageModel(nn.Module):
         return self.decoder(out)
 
 
+MANY_SHAPES_LAYERS = 300
+
+
+def _many_shapes_widths(layers: int = MANY_SHAPES_LAYERS) -> list[int]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(32, 289, (layers + 1,), generator=g).tolist()
+
+
+class ManyShapes(nn.Module):
+    """A stack of linear layers whose widths are drawn at random, the same every time."""
+
+    def __init__(self, layers: int = MANY_SHAPES_LAYERS):
+        super().__init__()
+        widths = _many_shapes_widths(layers)
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+
+    def forward(self, x):
+        for layer in self.layers[:-1]:
+            x = torch.tanh(layer(x))
+        return self.layers[-1](x)
+
+
+def _many_shapes_batch(batch_size: int, generator: torch.Generator):
+    x = torch.randn(batch_size, _many_shapes_widths()[0], generator=generator)
+    return (x,)
+
+
+def _many_shapes_loss(model: nn.Module, batch) -> torch.Tensor:
+    return model(batch[0]).pow(2).mean()
+
+
 def _resnet_batch(batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn(batch_size, 3, 32, 32, generator=generator)
     y = torch.randint(0, 10, (batch_size,), generator=generator)
@@ -111,6 +146,7 @@ def _lstm_loss(model: nn.Module, batch) -> torch.Tensor:
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable, Callable]] = {
     "resnet18": (ResNet18, _resnet_batch, _resnet_loss),
     "lstm": (LSTMLanguageModel, _lstm_batch, _lstm_loss),
+    "manyshapes": (ManyShapes, _many_shapes_batch, _many_shapes_loss),
 }
 
 

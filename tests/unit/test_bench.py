@@ -5,9 +5,11 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from horovod_powersgd.bench import costmodel, netcap, report
 from horovod_powersgd.bench.__main__ import launch_commands, parse_configs, pool_runs, run_order
+from horovod_powersgd.bench.models import MODELS
 from horovod_powersgd.bench.stats import (
     RECORD_KEYS,
     Record,
@@ -314,3 +316,13 @@ def test_markdown_report_keeps_hand_written_notes(tmp_path):
     assert text.endswith("## Notes\n\nhand-written finding\n")
     assert "## resnet18, 2 workers, bandwidth 200mbit" in text
     assert "Predicted speedup" in text
+
+
+def test_many_shapes_model_has_a_shape_per_layer_and_trains_on_its_batch():
+    make_model, make_batch, loss_fn = MODELS["manyshapes"]
+    model = make_model()
+    shapes = {tuple(layer.weight.shape) for layer in model.layers}
+    assert len(model.layers) == 300 and len(shapes) >= 290  # nearly one shape per layer
+    loss = loss_fn(model, make_batch(4, torch.Generator().manual_seed(0)))
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())

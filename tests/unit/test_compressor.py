@@ -341,3 +341,34 @@ def test_rounds1_full_rank_delivers_the_average_every_step():
         for n in workers[0].compressed_names:
             average = sum(g[n] for g in grads) / len(workers)
             torch.testing.assert_close(outs[0][n], average, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rounds", [2, 1])
+def test_many_shapes_in_one_bucket_give_what_each_matrix_gives_alone(rounds):
+    # Factors of different shapes are orthogonalised together, zero-padded
+    # (issue 23): the padding must change nothing a matrix gets. Lengths that
+    # double start a new batch; (3, 50) at rank 4 is full rank; two 64x64 share a group.
+    torch.manual_seed(13)
+    shapes = [(24, 40), (40, 24), (30, 90), (100, 20), (7, 300), (64, 64), (64, 64), (3, 50)]
+    config = {"rank": 4, "rounds": rounds, "min_compression_rate": 0}
+    together = make_workers(shapes, **config)
+    assert len(together[0].buckets) == 1
+    alone = [make_workers([shape], **config) for shape in shapes]
+    memories = ("q_memory", "p_memory") if rounds == 1 else ("q_memory",)
+    for i in range(len(shapes)):  # the same random start as the shared bucket's
+        for w, c in enumerate(alone[i]):
+            for kind in memories:
+                c._state_tensor(kind, "w0").copy_(together[w]._state_tensor(kind, f"w{i}"))
+    step = simulated_step if rounds == 2 else alternating_step
+    for _ in range(4):
+        grads = [{f"w{i}": torch.randn(s) for i, s in enumerate(shapes)} for _ in range(2)]
+        outs = step(together, grads)
+        outs = outs[0] if rounds == 2 else outs
+        for i in range(len(shapes)):
+            single = step(alone[i], [{"w0": g[f"w{i}"]} for g in grads])
+            single = single[0] if rounds == 2 else single
+            torch.testing.assert_close(outs[0][f"w{i}"], single[0]["w0"], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(
+                error_buffer(together[1], f"w{i}"), error_buffer(alone[i][1], "w0"),
+                rtol=1e-4, atol=1e-5,
+            )  # fmt: skip
