@@ -373,7 +373,7 @@ class _DistributedOptimizer:
             if p not in self._ready:
                 self._delay[p] = 0
                 if not p.requires_grad:
-                    # Frozen since construction (requires_grad_(False)): like
+                    # Frozen after construction (requires_grad_(False)): like
                     # Horovod, it gets the average of what the ranks hold in
                     # p.grad, zero after zero_grad(); its residual is dropped,
                     # or PowerSGD would go on delivering it and move the layer.
