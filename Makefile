@@ -20,7 +20,7 @@ MPIRUN := mpirun --allow-run-as-root --oversubscribe -np $(NP) --bind-to none --
 # test (per-test limit in pyproject.toml), this cap ends the whole launcher.
 RUN_CAP ?= timeout --signal=KILL 1200
 
-.PHONY: setup test test-unit test-parallel test-mpi test-gloo test-launch demo bench lint convergence docker-check long-run clean
+.PHONY: setup test test-unit test-parallel test-mpi test-gloo test-launch demo bench lint convergence docker-check long-run clean slurm-check
 
 setup:
 	bash scripts/bootstrap.sh
@@ -53,6 +53,12 @@ lint:
 # build's self-test ran and smoke-tests the image; not part of `make test`.
 docker-check:
 	bash docker/check.sh
+
+# A throw-away two-node Slurm on this machine (Debian's slurm-wlm and munge, network
+# namespaces as nodes) runs docker/slurm/*.sbatch on 1 and 2 nodes and a job with a killed
+# rank, then stops everything it started; a few minutes, as root; not part of `make test`.
+slurm-check: setup
+	bash docker/slurm/check.sh
 
 # Fashion-MNIST, 2 workers, PowerSGD rank 2, one epoch (minutes on 2 cores);
 # the last line gives test accuracy, bytes sent and the compression ratio.

