@@ -76,15 +76,16 @@ convergence: setup
 # 200 Mbit/s and 50 Mbit/s (tc-capped network namespaces): ResNet-18 at rank 2
 # and the LSTM at rank 4, both schedules (rounds=2 `powersgd`, rounds=1
 # `powersgd-1round`) against local training, plain Horovod and torch's
-# powerSGD_hook -> docs/benchmarks.md + .png. Plain Horovod's LSTM at 50 Mbit/s
+# powerSGD_hook -> docs/benchmarks.md + .png. `powersgd-nostats` (layer_stats=False) beside
+# `powersgd` gives the cost of the per-layer statistics. Plain Horovod's LSTM at 50 Mbit/s
 # is left out (over 30 s a step). About an hour on 2 cores with BENCH_REPEAT=2,
 # so not part of `make test`; nothing else may run meanwhile.
 BENCH_REPEAT ?= 2
 BENCH_COMMON = -np 2 --warmup-steps 3 --steps 10 --repeat $(BENCH_REPEAT)
 BENCH_RESNET = $(BENCH_COMMON) --models resnet18 --bandwidth unlimited,200mbit,50mbit \
-	--configs local,horovod,powersgd:2,powersgd-1round:2,ddp-powersgd:2
+	--configs local,horovod,powersgd:2,powersgd-1round:2,ddp-powersgd:2,powersgd-nostats:2
 BENCH_LSTM = $(BENCH_COMMON) --models lstm --compare-rank 4 --bandwidth unlimited,200mbit \
-	--configs local,horovod,powersgd:4,powersgd-1round:4,ddp-powersgd:4
+	--configs local,horovod,powersgd:4,powersgd-1round:4,ddp-powersgd:4,powersgd-nostats:4
 BENCH_LSTM_50 = $(BENCH_COMMON) --models lstm --compare-rank 4 --bandwidth 50mbit \
 	--configs local,powersgd:4,powersgd-1round:4,ddp-powersgd:4
 # Bytes are the same at any speed: the float16 variants run once, unlimited.
