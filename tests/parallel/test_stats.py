@@ -149,7 +149,9 @@ def test_bad_log_every_raises(log_every):
 # --- the early warning on real data ----------------------------------------------------------
 FASHION = "/usr/share/datasets/fashion-mnist"
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-from fashion_mnist import Net, load_split  # noqa: E402  (the example's model and data)
+import fashion_mnist  # noqa: E402  (the examples themselves)
+import lstm_language_model  # noqa: E402
+from fashion_mnist import Net, load_split  # noqa: E402
 
 
 def _train_fashion_cnn(steps, *, lr, rounds, start_iter, seed=42):
@@ -202,3 +204,52 @@ def test_no_early_warning_at_the_examples_settings():
     warned, non_finite = _train_fashion_cnn(200, lr=0.02, rounds=2, start_iter=0)
     assert non_finite is None
     assert warned is None, f"warned at step {warned}"
+
+
+# --- TensorBoard in the examples --------------------------------------------------------------
+TINY = ["--epochs", "1", "--max-steps", "20", "--no-progress", "--seed", "3"]
+EXAMPLES = {
+    "fashion_mnist": (
+        fashion_mnist.main,
+        ["--powersgd-rank", "2", "--train-subset", "1280", "--eval-subset", "100",
+         "--batch-size", "16"],
+        ("test/loss", "test/accuracy"),
+    ),
+    "lstm": (
+        lstm_language_model.main,
+        ["--powersgd-rank", "4", "--train-subset", "20000", "--eval-subset", "2000",
+         "--batch-size", "4", "--bptt", "10", "--size", "32", "--vocab-size", "2000"],
+        ("valid/perplexity", "test/perplexity"),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_examples_write_tensorboard_scalars_on_rank_0(tmp_path, example):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    main, args, epoch_tags = EXAMPLES[example]
+    logdir = tmp_path / "tb"
+    record = main([*TINY, *args, "--tensorboard", str(logdir)])
+    if hvd.rank() != 0:
+        assert not logdir.exists()  # only rank 0 writes
+        return
+    events = EventAccumulator(str(logdir))
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    config = hps.PowerSGDConfig(rank=int(args[1]))
+    compressed = [n for n, p in record["model"].named_parameters() if config.compresses(p.shape)]
+    assert compressed
+    every_10 = ["train/loss", "comm/bytes_sent", "comm/compression_ratio"]
+    every_10 += [
+        f"{kind}/{name}" for name in compressed for kind in ("relative_error", "error_ratio")
+    ]
+    for tag in every_10:
+        assert [e.step for e in events.Scalars(tag)] == [10, 20], tag
+    for tag in epoch_tags:
+        assert [e.step for e in events.Scalars(tag)] == [20], tag
+    assert set(scalars) == set(every_10) | set(epoch_tags)
+    bytes_sent = events.Scalars("comm/bytes_sent")[-1].value
+    assert bytes_sent == pytest.approx(record["final"]["bytes_sent"], rel=1e-6)
+    for name in compressed:
+        assert 0 < events.Scalars(f"relative_error/{name}")[-1].value < 1
