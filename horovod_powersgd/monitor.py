@@ -273,6 +273,10 @@ class LayerMonitor:
         rows.sort(key=lambda row: -row[1])
         return rows[:count]
 
+    def model_norms(self) -> tuple[float | None, float | None]:
+        """The whole model's (‖e‖, ‖g‖), mean of the ranks at the last check (None: none yet)."""
+        return tuple(_none_if_nan(value) for value in self._model)
+
     def layers(self) -> list[dict]:
         """Per compressed layer: structure, this rank's averages, the ranks' mean at the check."""
         local = self._averages().tolist()  # the one host read

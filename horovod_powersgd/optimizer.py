@@ -459,7 +459,9 @@ class _DistributedOptimizer:
             `avg_error_ratio`, the same averaged over all ranks at step
             `checked_step`, the last multiple of 10 (identical on every rank:
             what the log line and the early warning use). None where there is no
-            value yet.
+            value yet. `error_norm` and `gradient_norm` are the whole model's
+            (over the layers' moving averages, mean of the ranks at
+            `checked_step`): what the early warning watches.
 
         Example:
             >>> worst = max(opt.compression_stats(per_layer=True)["layers"],
@@ -472,6 +474,8 @@ class _DistributedOptimizer:
             monitor = self._monitor
             stats["layers"] = monitor.layers() if monitor is not None else []
             stats["checked_step"] = monitor.checked_step if monitor is not None else None
+            norms = monitor.model_norms() if monitor is not None else (None, None)
+            stats["error_norm"], stats["gradient_norm"] = norms
         return stats
 
     def state_dict(self):
