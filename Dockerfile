@@ -31,7 +31,7 @@ ARG OPENSSH_VERSION
 # gigabytes of CUDA libraries. Empty: use pip's configured indexes only.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # The same extras as `make test`, so the image can run the test suite.
-ARG EXTRAS=test,dev
+ARG EXTRAS=test,dev,examples
 
 # The container runs as root (it is the isolation boundary, and multi-node ssh
 # logs in as root): OpenMPI refuses root without these. Docker's default seccomp

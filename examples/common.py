@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import math
 import os
 import random
 import shlex
@@ -55,6 +57,18 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         "--json", metavar="PATH", default=None, help="write per-epoch metrics here (rank 0)"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        default=None,
+        help="write TensorBoard scalars here (rank 0): loss, metrics, bytes, per-layer error",
+    )
+    parser.add_argument(
+        "--powersgd-log-every",
+        type=int,
+        default=0,
+        help="rank 0 logs PowerSGD's statistics every N steps (logger horovod_powersgd); 0 = off",
+    )
 
 
 def parse(parser: argparse.ArgumentParser, argv):
@@ -62,7 +76,8 @@ def parse(parser: argparse.ArgumentParser, argv):
     for flag in ("epochs", "batch_size"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
-    for flag in ("powersgd_rank", "start_iter", "train_subset", "eval_subset", "max_steps"):
+    for flag in ("powersgd_rank", "start_iter", "train_subset", "eval_subset", "max_steps",
+                 "powersgd_log_every"):  # fmt: skip
         if getattr(args, flag) < 0:
             parser.error(f"--{flag.replace('_', '-')} must be >= 0")
     return args
@@ -82,6 +97,10 @@ def distributed_optimizer(optimizer, model, args):
         return hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     import horovod_powersgd as hps
 
+    if args.powersgd_log_every:
+        # PowerSGD logs through Python's logging (rank 0 only); show its INFO lines.
+        logging.basicConfig(format="%(name)s: %(message)s")
+        logging.getLogger("horovod_powersgd").setLevel(logging.INFO)
     # Horovod + PowerSGD: the same wrapper, low-rank compressed all-reduce.
     return hps.DistributedOptimizer(
         optimizer,
@@ -91,6 +110,7 @@ def distributed_optimizer(optimizer, model, args):
         start_iter=args.start_iter,
         min_compression_rate=args.min_compression_rate,
         seed=args.seed,
+        log_every=args.powersgd_log_every,
     )
 
 
@@ -127,6 +147,56 @@ class CommunicationMeter:
             "bytes_sent": self._steps * self._bytes_per_step,
             "ratio": 1.0,
         }
+
+
+class TensorBoardLog:
+    """TensorBoard scalars on rank 0 (``--tensorboard DIR``), as Horovod's examples log.
+
+    Every ``every`` steps: ``train/loss`` (rank 0's mean over those steps),
+    ``comm/bytes_sent`` (per worker, so far) and ``comm/compression_ratio``;
+    with PowerSGD also, per compressed layer, ``relative_error/<layer>`` and
+    ``error_ratio/<layer>`` (averaged over the ranks at PowerSGD's last check).
+    The examples add their per-epoch metrics with ``scalar()``. The x axis is
+    the number of training steps so far.
+    """
+
+    def __init__(self, directory: str | None, meter: CommunicationMeter, every: int = 10):
+        self.meter, self.every = meter, every
+        self.writer = None
+        if directory and hvd.rank() == 0:  # Horovod: rank 0 alone writes the logs.
+            from torch.utils.tensorboard import SummaryWriter  # needs `tensorboard`
+
+            self.writer = SummaryWriter(directory)
+        self._losses: list = []
+
+    def train_step(self, loss: float) -> None:
+        """Call after each step (and ``meter.step()``) with this step's loss."""
+        if self.writer is None:
+            return
+        self._losses.append(loss)
+        totals = self.meter.totals()
+        step = totals["steps"]
+        if step % self.every:
+            return
+        self.scalar("train/loss", sum(self._losses) / len(self._losses), step)
+        self._losses.clear()
+        self.scalar("comm/bytes_sent", totals["bytes_sent"], step)
+        self.scalar("comm/compression_ratio", totals["ratio"], step)
+        if self.meter.powersgd:
+            for layer in self.meter.optimizer.compression_stats(per_layer=True)["layers"]:
+                for key, tag in (("avg_relative_error", "relative_error"),
+                                 ("avg_error_ratio", "error_ratio")):  # fmt: skip
+                    if layer[key] is not None:
+                        self.scalar(f"{tag}/{layer['name']}", layer[key], step)
+
+    def scalar(self, tag: str, value: float, step: int | None = None) -> None:
+        if self.writer is not None and math.isfinite(value):
+            step = self.meter.totals()["steps"] if step is None else step
+            self.writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
 
 def epoch_communication(before: dict, after: dict) -> dict:

@@ -10,6 +10,9 @@ Launch (from the repository root):
     horovodrun -np 2 -H localhost:2 python examples/fashion_mnist.py --powersgd-rank 0
     # with MPI instead of Gloo
     mpirun -np 2 python examples/fashion_mnist.py
+    # TensorBoard scalars (loss, accuracy, bytes, per-layer error) and a PowerSGD log line
+    horovodrun -np 2 -H localhost:2 python examples/fashion_mnist.py \
+        --tensorboard runs/fashion --powersgd-log-every 100
 
 The data are the IDX files of Debian's ``dataset-fashion-mnist`` package
 (/usr/share/datasets/fashion-mnist), or any copy of them via ``--data-dir``,
@@ -204,6 +207,7 @@ def main(argv=None) -> dict:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     meter = common.CommunicationMeter(optimizer, model)
+    board = common.TensorBoardLog(args.tensorboard, meter)  # rank 0 only
     method = f"PowerSGD rank {args.powersgd_rank}" if args.powersgd_rank else "plain all-reduce"
     common.log(
         f"Fashion-MNIST: {len(train_set)} train / {len(test_set)} test images, "
@@ -228,6 +232,7 @@ def main(argv=None) -> dict:
             optimizer.step()
             meter.step()
             loss_sum += loss.item()
+            board.train_step(loss.item())
             if hasattr(bar, "set_postfix"):
                 bar.set_postfix(loss=f"{loss.item():.3f}")
             if step == steps_per_epoch:
@@ -241,6 +246,8 @@ def main(argv=None) -> dict:
         train_loss /= hvd.size()
         test_loss, accuracy = evaluate(model, test_loader)
         wall = time.perf_counter() - start
+        board.scalar("test/loss", test_loss)
+        board.scalar("test/accuracy", accuracy)
         recorder.add_epoch(
             {
                 "epoch": epoch,
@@ -260,6 +267,7 @@ def main(argv=None) -> dict:
             f" per worker, compression {comm['ratio']:.1f}x, {wall:.1f} s"
         )
 
+    board.close()
     totals = meter.totals()
     record = recorder.finish(
         {

@@ -11,6 +11,9 @@ Launch (from the repository root):
     # save after every epoch; the same command resumes, a larger --epochs trains on
     horovodrun -np 2 -H localhost:2 python examples/lstm_language_model.py \
         --epochs 16 --checkpoint runs/lm.ckpt
+    # TensorBoard scalars (loss, perplexity, bytes, per-layer error) and a PowerSGD log line
+    horovodrun -np 2 -H localhost:2 python examples/lstm_language_model.py \
+        --tensorboard runs/lm --powersgd-log-every 100
     # cut the LR by 4 after epochs 14 and 18 (default: after a validation stall); runs
     # compared this way see the same LR in every epoch
     horovodrun -np 2 -H localhost:2 python examples/lstm_language_model.py \
@@ -335,7 +338,8 @@ def evaluate(model, streams, bptt: int) -> float:
 
 # Flags that may change when a run resumes; every other flag must match the checkpoint's.
 # --lr-drop-after may change as long as the epochs already trained followed it.
-RESUMABLE = {"epochs", "json", "checkpoint", "no_progress", "lr_drop_after"}
+RESUMABLE = {"epochs", "json", "checkpoint", "no_progress", "lr_drop_after", "tensorboard",
+             "powersgd_log_every"}  # fmt: skip
 
 
 def save(path, model, optimizer, extra) -> None:
@@ -422,6 +426,7 @@ def main(argv=None) -> dict:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     meter = common.CommunicationMeter(optimizer, model)
+    board = common.TensorBoardLog(args.tensorboard, meter)  # rank 0 only
     method = f"PowerSGD rank {args.powersgd_rank}" if args.powersgd_rank else "plain all-reduce"
     common.log(
         f"LSTM LM: {len(corpus.ids['train']):,} train / {len(corpus.ids['valid']):,} valid / "
@@ -476,6 +481,7 @@ def main(argv=None) -> dict:
                 optimizer.step()
             meter.step()
             loss_sum += loss.item()
+            board.train_step(loss.item())
             if hasattr(bar, "set_postfix"):
                 bar.set_postfix(loss=f"{loss.item():.3f}")
             if step == steps_per_epoch:
@@ -499,6 +505,8 @@ def main(argv=None) -> dict:
                 group["lr"] /= 4
         best_valid = min(best_valid, valid_ppl)
         wall = time.perf_counter() - start
+        board.scalar("valid/perplexity", valid_ppl)
+        board.scalar("test/perplexity", test_ppl)
         recorder.add_epoch(
             {
                 "epoch": epoch,
@@ -526,6 +534,7 @@ def main(argv=None) -> dict:
             f"per worker, compression {comm['ratio']:.1f}x, {wall:.1f} s"
         )
 
+    board.close()
     totals = meter.totals()
     record = recorder.finish(
         {

@@ -9,12 +9,14 @@ Change one line of a Horovod script::
 from .checkpoint import load_checkpoint, save_checkpoint
 from .compressor import PowerSGDCompressor, orthogonalize_
 from .config import PowerSGDConfig
+from .monitor import ErrorGrowthWarning
 from .optimizer import DistributedOptimizer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DistributedOptimizer",
+    "ErrorGrowthWarning",
     "PowerSGDCompressor",
     "PowerSGDConfig",
     "__version__",

@@ -866,3 +866,38 @@ class PowerSGDCompressor:
             if name in self._where:
                 group, i = self._where[name]
                 group.matrices[i].zero_()
+
+    # --- statistics (read by monitor.py; nothing here changes the step) -----------------
+    def layer_info(self, name: str) -> dict:
+        """Parameter shape, matrix shape (n, m), rank and P/Q elements sent per step.
+
+        rounds=1 alternates between r·m and r·n elements (at full rank it sends
+        the same factor every step); the value is the mean over two steps.
+        """
+        group, _ = self._where[name]
+        if self.config.rounds == 2:
+            per_step = group.rank * (group.n + group.m)
+        else:
+            sizes = {"p": group.rank * group.n, "q": group.rank * group.m}
+            per_step = (sizes[group.sends[0]] + sizes[group.sends[1]]) / 2
+        return {
+            "shape": tuple(self._shapes[name]),
+            "matrix": (group.n, group.m),
+            "rank": group.rank,
+            "elements_per_step": per_step,
+        }
+
+    def step_views(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(error buffer, factor this worker computed) of `name` in the current step.
+
+        The factor is the one computed against an orthonormal partner (rounds=2:
+        Q_w = Mᵀ·P̂; rounds=1: Q_w or P_w = M·Q̂), so M − (its product with the
+        partner) is the residual and ‖M‖² = ‖residual‖² + ‖factor‖². The buffer
+        holds that residual once it is computed (with error feedback), else M.
+        Valid for rounds=1 right after `compress(name)` (P is then summed in
+        place), for rounds=2 from `update_error` until the next `begin_step`.
+        """
+        group, i = self._where[name]
+        sends = "q" if self.config.rounds == 2 else group.sends[self.phase]
+        factor = group.qt_local[i] if sends == "q" else group.pt[i]
+        return group.matrices[i], factor

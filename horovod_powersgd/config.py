@@ -72,6 +72,10 @@ class PowerSGDConfig:
     gradient_predivide_factor: float = 1.0
     # Make sparse gradients dense (then compressed like any other) instead of refusing them.
     sparse_as_dense: bool = False
+    # --- statistics (monitor.py) --------------------------------------------------
+    # Per-layer quality and the early warning; off saves a norm per gradient and
+    # error buffer per step and a small all-reduce every 10 steps.
+    layer_stats: bool = True
 
     def __post_init__(self):
         if not _is_int(self.rank) or self.rank < 1:
@@ -85,7 +89,7 @@ class PowerSGDConfig:
             raise ValueError(f"min_compression_rate must be a number >= 0, got {rate!r}")
         if rate == float("inf"):
             raise ValueError("min_compression_rate must be finite; use rank=... or plain Horovod")
-        for flag in ("error_feedback", "warm_start", "sparse_as_dense"):
+        for flag in ("error_feedback", "warm_start", "sparse_as_dense", "layer_stats"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if not _is_int(self.drift_check_every) or self.drift_check_every < 0:

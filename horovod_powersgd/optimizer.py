@@ -27,6 +27,7 @@ from horovod.torch.elastic import state as _elastic_state
 
 from .config import PowerSGDConfig
 from .guard import DriftGuard
+from .monitor import LayerMonitor
 from .schedule import Schedule
 
 # Each optimizer gets its own collective names: a count per process set, since
@@ -71,7 +72,15 @@ class _DistributedOptimizer:
     _base = torch.optim.Optimizer
 
     def __init__(
-        self, params, named_parameters, config: PowerSGDConfig, compression, op, groups, process_set
+        self,
+        params,
+        named_parameters,
+        config: PowerSGDConfig,
+        compression,
+        op,
+        groups,
+        process_set,
+        log_every: int = 0,
     ):
         self._base.__init__(self, params)
         self.config = config
@@ -145,6 +154,18 @@ class _DistributedOptimizer:
         # --- statistics ------------------------------------------------------------------
         self._numel = sum(p.numel() for p in self._params)
         self._stats = {"steps": 0, "elements_uncompressed": 0, "elements_sent": 0, "bytes_sent": 0}
+        # Per-layer statistics, log line and early warning (monitor.py).
+        self._monitor = None
+        if config.layer_stats and self._active:
+            self._monitor = LayerMonitor(
+                self.compressor,
+                lambda tensor, name: hvd.allreduce(
+                    tensor, op=hvd.Sum, name=f"{me._name}.{name}", process_set=me.process_set
+                ),
+                workers=process_set.size(),
+                reporter=process_set.rank() == 0,
+                log_every=log_every,
+            )
 
         if not self._active:
             return
@@ -299,6 +320,8 @@ class _DistributedOptimizer:
         if self._schedule.compressing and self.compressor.is_compressed(self._names[p]):
             # Runs layer by layer while backward continues.
             self.compressor.compress(self._names[p], p.grad)
+            if self._monitor is not None:
+                self._monitor.compressed(self._names[p], p.grad)
         self._ready.add(p)
         self._schedule.ready(p)
 
@@ -387,6 +410,11 @@ class _DistributedOptimizer:
         self._drift_check_due = self._guard.due(self.powersgd_step)
         self._reset_step()
         self._synchronized = True
+        if self._monitor is not None:  # last: its warning may raise (-W error) on every rank
+            self._monitor.workers = self.process_set.size()
+            self._monitor.end_step(
+                self.powersgd_step, self._schedule.compressing, self.compression_stats
+            )
 
     def _check_drift(self) -> None:
         """Every `drift_check_every` steps: repair parameters that differ across ranks.
@@ -488,8 +516,12 @@ class _DistributedOptimizer:
             self._delay[p] = passes
 
     # --- statistics and checkpoints --------------------------------------------------------
-    def compression_stats(self) -> dict:
-        """Totals over all steps so far, for this rank.
+    def compression_stats(self, per_layer: bool = False) -> dict:
+        """Totals over all steps so far, for this rank; with `per_layer`, each layer's quality.
+
+        Args:
+            per_layer: add `layers` (one dict per compressed tensor) and
+                `checked_step`. Reading them waits for the device once.
 
         Returns:
             dict with `steps`; `elements_uncompressed`, the gradient elements a
@@ -497,10 +529,35 @@ class _DistributedOptimizer:
             rank handed to Horovod collectives (P, Q and uncompressed tensors);
             `bytes_sent`, the same in bytes at the dtype sent; and `ratio`,
             elements_uncompressed / elements_sent (0.0 before the first step).
+            These are this rank's (equal on every rank in a plain data-parallel run).
+
+            With `per_layer` (and `layer_stats=True`), `layers` lists per
+            compressed tensor: `name`, `shape`, `matrix` (n, m), `rank`,
+            `elements_per_step` (P and Q elements it sends per step), and four
+            moving averages over about the last 10 compressed steps:
+            `relative_error` (‖M − P̂·Qᵀ‖ / ‖M‖ of the matrix compressed,
+            gradient plus error feedback) and `error_ratio` (error buffer norm /
+            gradient norm) of *this rank*, and `avg_relative_error` and
+            `avg_error_ratio`, the same averaged over all ranks at step
+            `checked_step`, the last multiple of 10 (identical on every rank:
+            what the log line and the early warning use). None where there is no
+            value yet. `error_norm` and `gradient_norm` are the whole model's
+            (over the layers' moving averages, mean of the ranks at
+            `checked_step`): what the early warning watches.
+
+        Example:
+            >>> worst = max(opt.compression_stats(per_layer=True)["layers"],
+            ...             key=lambda layer: layer["avg_relative_error"] or 0)
         """
         stats = dict(self._stats)
         sent = stats["elements_sent"]
         stats["ratio"] = stats["elements_uncompressed"] / sent if sent else 0.0
+        if per_layer:
+            monitor = self._monitor
+            stats["layers"] = monitor.layers() if monitor is not None else []
+            stats["checked_step"] = monitor.checked_step if monitor is not None else None
+            norms = monitor.model_norms() if monitor is not None else (None, None)
+            stats["error_norm"], stats["gradient_norm"] = norms
         return stats
 
     def state_dict(self):
@@ -613,6 +670,8 @@ def DistributedOptimizer(
     seed: int = 0,
     comm_dtype: torch.dtype | None = None,
     drift_check_every: int = 100,
+    layer_stats: bool = True,
+    log_every: int = 0,
 ):
     """Wrap a torch optimizer so that its gradients are averaged with PowerSGD.
 
@@ -691,6 +750,16 @@ def DistributedOptimizer(
             them and one small all-gather); where they differ, take rank 0's
             and warn on every rank (0: never). Ranks whose processors or
             thread counts round differently drift apart by rounding errors.
+        layer_stats: keep per-layer statistics (`compression_stats(per_layer=True)`)
+            and warn (`ErrorGrowthWarning`, once, on every rank alike) when the
+            error buffers grow steadily relative to the gradients, the pattern
+            measured before divergence. Costs a norm of each compressed gradient
+            and error buffer per step and a small all-reduce every 10 steps;
+            must be the same on every rank.
+        log_every: every this many steps, rank 0 logs one line (logger
+            ``horovod_powersgd``, level INFO): steps, compression ratio, bytes,
+            and the layers with the largest relative error. 0 (default): off.
+            May differ between ranks.
 
     Returns:
         An optimizer of a class derived from `type(optimizer)`.
@@ -741,7 +810,10 @@ def DistributedOptimizer(
         backward_passes_per_step=backward_passes_per_step,
         gradient_predivide_factor=gradient_predivide_factor,
         sparse_as_dense=sparse_as_dense,
+        layer_stats=layer_stats,
     )
+    if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 0:
+        raise ValueError(f"log_every must be an integer >= 0, got {log_every!r}")
     if comm_dtype is not None and comm_dtype not in _REDUCIBLE:
         raise ValueError(
             f"comm_dtype={comm_dtype} cannot be sent: Horovod all-reduces only "
@@ -765,7 +837,14 @@ def DistributedOptimizer(
     members["__module__"] = hvd.DistributedOptimizer.__module__
     cls = type(optimizer.__class__.__name__, (optimizer.__class__, _DistributedOptimizer), members)
     return cls(
-        optimizer.param_groups, named_parameters, config, compression, op, groups, process_set
+        optimizer.param_groups,
+        named_parameters,
+        config,
+        compression,
+        op,
+        groups,
+        process_set,
+        log_every=log_every,
     )
 
 

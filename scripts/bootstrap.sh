@@ -7,7 +7,7 @@
 #
 # Variables (defaults in brackets):
 #   TORCH_VERSION [2.13.0]  HOROVOD_VERSION [0.28.1]  VENV [.venv]
-#   PYTHON [python3]        EXTRAS [test,dev]
+#   PYTHON [python3]        EXTRAS [test,dev,examples]
 #   WHEEL_CACHE [~/.cache/horovod-powersgd/wheels]
 #   SKIP_APT=1 skips the system-package step (e.g. in an image that already has them).
 set -euo pipefail
@@ -16,7 +16,7 @@ TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 HOROVOD_VERSION=${HOROVOD_VERSION:-0.28.1}
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
-EXTRAS=${EXTRAS:-test,dev}
+EXTRAS=${EXTRAS:-test,dev,examples}
 WHEEL_CACHE=${WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/horovod-powersgd/wheels}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"

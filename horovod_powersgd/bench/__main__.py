@@ -16,6 +16,9 @@ Configurations (``--configs``, comma separated; ``NAME:R`` picks a PowerSGD rank
   powersgd-fp16  the same with comm_dtype=torch.float16 (rank --compare-rank)
   powersgd-1round, powersgd-1round-fp16
                  the same with rounds=1, the alternating one-round step (rank --compare-rank)
+  powersgd-nostats
+                 powersgd with layer_stats=False (rank --compare-rank): beside powersgd,
+                 the cost of the per-layer statistics and the early warning
   ddp            torch DistributedDataParallel over Gloo, plain all-reduce
   ddp-powersgd   DDP + torch's powerSGD_hook (rank --compare-rank), same start_iter
                  and min_compression_rate as powersgd
@@ -48,7 +51,14 @@ from .stats import Record, make_record
 from .worker import CONFIGS, DDP_CONFIGS, HOROVOD_CONFIGS
 
 DEFAULT_CONFIGS = "local,horovod,horovod-fp16,powersgd,powersgd-fp16,ddp,ddp-powersgd"
-RANKED = ("powersgd", "powersgd-fp16", "powersgd-1round", "powersgd-1round-fp16", "ddp-powersgd")
+RANKED = (
+    "powersgd",
+    "powersgd-fp16",
+    "powersgd-1round",
+    "powersgd-1round-fp16",
+    "powersgd-nostats",
+    "ddp-powersgd",
+)
 
 
 def parse_configs(

@@ -28,6 +28,7 @@ HOROVOD_CONFIGS = (
     "powersgd-fp16",
     "powersgd-1round",
     "powersgd-1round-fp16",
+    "powersgd-nostats",
 )
 DDP_CONFIGS = ("ddp", "ddp-powersgd")
 CONFIGS = ("local", *HOROVOD_CONFIGS, *DDP_CONFIGS)
@@ -53,6 +54,8 @@ def _setup_horovod(args, model) -> tuple[torch.optim.Optimizer, Callable[[], dic
             start_iter=args.start_iter,
             min_compression_rate=args.min_compression_rate,
             comm_dtype=torch.float16 if args.config.endswith("fp16") else None,
+            # Per-layer statistics are on by default; this config measures their cost.
+            layer_stats=args.config != "powersgd-nostats",
         )
         counters = opt.compression_stats
     else:

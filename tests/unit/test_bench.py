@@ -1,5 +1,6 @@
 """The pure parts of the benchmark: rates, statistics, records, launch lines, cost model."""
 
+import dataclasses
 import json
 import random
 
@@ -302,6 +303,41 @@ def test_targets_compare_medians_of_the_same_bandwidth():
     assert rows["resnet18: PowerSGD / local (no communication), r2, 200mbit"][3] == "hit"
     assert rows["resnet18: PowerSGD / plain Horovod, r2, unlimited"][1] == "1.14x"
     assert rows["resnet18: bytes, plain / powersgd-fp16 r2"][3] == "missed"  # 248x < 260x
+
+
+def test_statistics_cost_is_a_target_of_powersgd_against_powersgd_nostats():
+    records = _suite("unlimited", 1400, 1010, 1500, 1300)
+    records.append(dataclasses.replace(records[2], config="powersgd-nostats", median_step_ms=1000))
+    rows = {row[0]: row for row in report.target_rows(records)}
+    assert rows["resnet18: statistics on / off, r2, unlimited"][1:] == ("1.01x", "<= 1.01x", "hit")
+    assert parse_configs("powersgd:2,powersgd-nostats", [1], 4) == [
+        ("powersgd", 2),
+        ("powersgd-nostats", 4),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("config", "layer_stats"), [("powersgd", True), ("powersgd-nostats", False)]
+)
+def test_worker_turns_statistics_off_only_for_powersgd_nostats(monkeypatch, config, layer_stats):
+    import horovod.torch as hvd
+
+    import horovod_powersgd as hps
+    from horovod_powersgd.bench import worker
+
+    built = {}
+
+    def fake_optimizer(opt, **kwargs):
+        built.update(kwargs)
+        raise StopIteration  # enough: nothing else of the worker is under test
+
+    monkeypatch.setattr(hvd, "init", lambda: None)
+    monkeypatch.setattr(hps, "DistributedOptimizer", fake_optimizer)
+    model = torch.nn.Linear(4, 4)
+    args = worker.argparse.Namespace(config=config, rank=2, start_iter=0, min_compression_rate=2.0)
+    with pytest.raises(StopIteration):
+        worker._setup_horovod(args, model)
+    assert built["layer_stats"] is layer_stats and built["rank"] == 2
 
 
 def test_markdown_report_keeps_hand_written_notes(tmp_path):

@@ -1,0 +1,94 @@
+"""The statistics and the alarm rule of monitor.py, in one process (no Horovod)."""
+
+import math
+
+import pytest
+import torch
+
+from horovod_powersgd import ErrorGrowthWarning, PowerSGDCompressor, PowerSGDConfig, monitor
+
+
+def drive(compressor, mon, grads, step):
+    """One rounds=2 step of the compressor's docstring, one worker, with the monitor."""
+    compressor.begin_step()
+    for name, grad in grads.items():
+        compressor.compress(name, grad)
+        mon.compressed(name, grad)
+    q = compressor.project(compressor.send_buffers())
+    compressor.update_error()
+    compressor.decompress(q)
+    compressor.end_step()
+    mon.end_step(step, True, lambda: {"steps": step, "ratio": 10.0, "bytes_sent": 12345})
+
+
+def make(shapes, **config):
+    tensors = [(f"w{i}", torch.zeros(*shape)) for i, shape in enumerate(shapes)]
+    compressor = PowerSGDCompressor(tensors, PowerSGDConfig(**config))
+    sums = []
+
+    def allreduce_sum(tensor, name):
+        sums.append(name)
+        return tensor.clone()
+
+    mon = monitor.LayerMonitor(compressor, allreduce_sum, workers=1, reporter=True)
+    return compressor, mon, sums
+
+
+def test_first_step_relative_error_is_the_projection_residual():
+    compressor, mon, _ = make([(40, 30), (64, 8)], rank=2)
+    grads = {"w0": torch.randn(40, 30), "w1": torch.randn(64, 8)}
+    drive(compressor, mon, grads, 1)
+    for layer in mon.layers():
+        group, i = compressor._where[layer["name"]]
+        p_hat = group.p[i]
+        m = grads[layer["name"]]
+        direct = torch.linalg.norm(m - p_hat @ (p_hat.T @ m)) / torch.linalg.norm(m)
+        assert layer["relative_error"] == pytest.approx(float(direct), rel=1e-5)
+        assert layer["avg_relative_error"] is None  # no check yet
+
+
+def test_a_check_every_check_interval_with_one_collective():
+    compressor, mon, sums = make([(40, 30)], rank=2)
+    for step in range(1, 2 * monitor.CHECK_EVERY + 1):
+        drive(compressor, mon, {"w0": torch.randn(40, 30)}, step)
+    assert sums == ["stats", "stats"]
+    assert mon.checked_step == 2 * monitor.CHECK_EVERY
+    (layer,) = mon.layers()
+    assert layer["avg_relative_error"] == pytest.approx(layer["relative_error"], rel=1e-6)
+
+
+def test_a_step_with_non_finite_gradients_does_not_enter_the_averages():
+    compressor, mon, _ = make([(40, 30)], rank=2)
+    drive(compressor, mon, {"w0": torch.randn(40, 30)}, 1)
+    before = mon.layers()[0]
+    drive(compressor, mon, {"w0": torch.full((40, 30), math.inf)}, 2)
+    after = mon.layers()[0]
+    assert after["relative_error"] == before["relative_error"]
+    assert after["error_ratio"] == before["error_ratio"]
+
+
+def test_log_line_says_when_nothing_was_checked_yet():
+    _, mon, _ = make([(40, 30)], rank=2)
+    line = mon.log_line({"steps": 5, "ratio": 12.5, "bytes_sent": 2_500_000})
+    assert line == (
+        "step 5: compression 12.5x, 2.5 MB sent (500.0 KB/step); no compressed step checked yet"
+    )
+
+
+@pytest.mark.parametrize(
+    ("errors", "grads", "fires"),
+    [
+        ([3.1, 4.4, 7.8], [1.5, 2.2, 5.8], True),  # rounds=1, lr 0.1: before the NaN
+        ([2.4, 2.8, 3.0], [1.3, 1.3, 1.2], False),  # rounds=2 filling its buffers
+        ([3.0, 4.0, 7.0], [1.5, 1.4, 1.5], False),  # errors alone: buffers filling
+        ([3.0, 2.9, 7.0], [1.0, 2.0, 4.0], False),  # not rising at every check
+        ([3.0, 4.0, math.nan], [1.0, 2.0, 4.0], False),
+        ([4.4, 7.8], [2.2, 5.8], False),  # too few checks
+    ],
+)
+def test_alarm_rule(errors, grads, fires):
+    assert monitor.growing(list(zip(errors, grads))) is fires
+
+
+def test_warning_class_is_a_user_warning():
+    assert issubclass(ErrorGrowthWarning, UserWarning)
