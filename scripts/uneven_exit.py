@@ -1,0 +1,67 @@
+"""One rank steps once more than the others, then every rank exits (issue 23, item 7).
+
+The review saw one of three such runs hang until a timeout. Run it many times
+(commands in docs/reliability.md): every run must end at once, the extra
+step raising Horovod's "Horovod has been shut down" as plain Horovod does.
+A run still there after 45 s dumps every thread's stack (faulthandler) and
+exits.
+
+    mpirun -np 2 python scripts/uneven_exit.py --extra-rank 1 --optimizer powersgd
+"""
+
+import argparse
+import faulthandler
+import os
+import sys
+import time
+
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "parallel"))
+from helpers import batch, make_model
+
+import horovod_powersgd as hps
+from horovod_powersgd import schedule
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--optimizer", choices=("powersgd", "horovod"), default="powersgd")
+    parser.add_argument("--rounds", type=int, default=2, help="PowerSGD rounds (2)")
+    parser.add_argument("--steps", type=int, default=3, help="steps of every rank (3)")
+    parser.add_argument("--extra-rank", type=int, default=0, help="the rank that steps once more")
+    parser.add_argument("--small-buckets", action="store_true", help="a bucket per layer")
+    args = parser.parse_args()
+    faulthandler.dump_traceback_later(45, exit=True)
+    if args.small_buckets:
+        schedule.BUCKET_BYTES = 2048
+    hvd.init()
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if args.optimizer == "powersgd":
+        opt = hps.DistributedOptimizer(
+            opt, named_parameters=model.named_parameters(), rank=2, rounds=args.rounds
+        )
+    else:
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    steps = args.steps + (1 if hvd.rank() == args.extra_rank else 0)
+    start = time.monotonic()
+    try:
+        for step in range(steps):
+            x, y = batch(step)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        print(f"rank {hvd.rank()} done", flush=True)
+    except Exception as e:
+        print(
+            f"rank {hvd.rank()} raised {type(e).__name__} after {time.monotonic() - start:.1f} s: "
+            f"{str(e)[:80]}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
