@@ -100,11 +100,17 @@ node() { # node N COMMAND...: run COMMAND on node N (network, hostname, /etc/hos
   shift
   # unshare: private mounts and hostname. nsenter, not `ip netns exec`: that one
   # mounts a fresh /sys, without the cgroup file system slurmd insists on.
-  # Every step execs, so $! is COMMAND's PID.
+  # A checkout under /tmp (a fresh clone in /tmp, say) would vanish under the
+  # node's own /tmp: it is bound back to its path there, as a shared file
+  # system would show it. Every step execs, so $! is COMMAND's PID.
+  mkdir -p "$work/checkout-node$i"
   unshare --mount --uts -- bash -c \
-    'mount --bind "$0" /etc/hosts && mount -t tmpfs -o size=2g tmpfs /tmp &&
-     hostname "$1" && exec nsenter --net="$2" "${@:3}"' \
-    "$work/etc/hosts" "node$i" "/run/netns/$NS$i" "$@"
+    'mount --bind "$0" /etc/hosts &&
+     if [[ $4 == /tmp/* ]]; then mount --bind "$4" "$5"; fi &&
+     mount -t tmpfs -o size=2g tmpfs /tmp &&
+     if [[ $4 == /tmp/* ]]; then mkdir -p "$4" && mount --bind "$5" "$4"; fi &&
+     hostname "$1" && exec nsenter --net="$2" "${@:6}"' \
+    "$work/etc/hosts" "node$i" "/run/netns/$NS$i" _ "$ROOT" "$work/checkout-node$i" "$@"
 }
 wait_for() { # wait_for SECONDS DESCRIPTION COMMAND...
   local seconds=$1 what=$2
