@@ -215,8 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common.add_common_args(
         parser,
-        start_iter_help="uncompressed steps before PowerSGD starts (default: --warmup-steps, "
-        "as the README advises: plain all-reduce while the LR warms up)",
+        start_iter_help="uncompressed steps before PowerSGD starts; None: --warmup-steps, as "
+        "the README advises (plain all-reduce while the LR warms up)",
     )
     return parser
 
