@@ -71,10 +71,14 @@ demo: setup
 
 # Issue 14's campaign -> docs/results/convergence.md: Fashion-MNIST 10 epochs x 3 seeds
 # (plain; rank 2 in both schedules; ranks 1, 4), the start_iter study, the LSTM on the
-# whole corpus (plain vs rank 4, both schedules, 2 seeds). Many hours on 2 cores, so not
-# part of `make test`; rerun to resume, or pass CONVERGENCE_ARGS="--parts fashion,warmup".
+# whole corpus (plain vs rank 4, both schedules, 2 seeds), the transformer (below). Many
+# hours on 2 cores, so not part of `make test`; rerun to resume, or pass
+# CONVERGENCE_ARGS="--parts fashion,warmup".
 # LSTM runs: 20 epochs, LR / 4 after epoch 14 in every run, a checkpoint every epoch;
 # CONVERGENCE_ARGS="--lm-epochs 24" trains on.
+# Issue 26's transformer with AdamW (plain vs ranks 4 and 16, start_iter = the 200-step LR
+# warm-up, seeds 42/43, 8 epochs of one cosine; about 11 hours, checkpoint every epoch, rerun
+# to resume): CONVERGENCE_ARGS="--parts transformer" runs it alone.
 convergence: setup
 	$(PY) scripts/convergence.py $(CONVERGENCE_ARGS)
 

@@ -20,8 +20,12 @@ import horovod.torch as hvd
 import torch
 
 
-def add_common_args(parser: argparse.ArgumentParser) -> None:
-    """Flags that mean the same in every example."""
+def add_common_args(parser: argparse.ArgumentParser, start_iter_help: str | None = None) -> None:
+    """Flags that mean the same in every example.
+
+    ``start_iter_help``: an example whose ``--start-iter`` defaults to another flag
+    (None until `parse` resolves it) says which here.
+    """
     parser.add_argument("--epochs", type=int, default=1, help="passes over the training set")
     parser.add_argument("--seed", type=int, default=42, help="model init, shuffling and Q seed")
     # 0 switches PowerSGD off, so the same script is the plain-Horovod baseline.
@@ -36,7 +40,10 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         help="PowerSGD all-reduce rounds per step: 2 = P then Q, 1 = alternating",
     )
     parser.add_argument(
-        "--start-iter", type=int, default=0, help="uncompressed steps before PowerSGD starts"
+        "--start-iter",
+        type=int,
+        default=0 if start_iter_help is None else None,
+        help=start_iter_help or "uncompressed steps before PowerSGD starts",
     )
     parser.add_argument(
         "--min-compression-rate",
@@ -78,7 +85,7 @@ def parse(parser: argparse.ArgumentParser, argv):
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     for flag in ("powersgd_rank", "start_iter", "train_subset", "eval_subset", "max_steps",
                  "powersgd_log_every"):  # fmt: skip
-        if getattr(args, flag) < 0:
+        if getattr(args, flag) is not None and getattr(args, flag) < 0:
             parser.error(f"--{flag.replace('_', '-')} must be >= 0")
     return args
 
@@ -304,3 +311,93 @@ class Recorder:
             with open(tmp, "w") as f:
                 json.dump(self.record, f, indent=2, default=str)
             os.replace(tmp, self.path)
+
+
+def mean_across_ranks(value: float, name: str) -> float:
+    # Horovod: the mean of every worker's value (each rank saw a shard).
+    (total,) = sum_across_ranks(value, name=name)
+    return total / hvd.size()
+
+
+def close(bar, start: float) -> float:
+    """Ends an epoch's progress report; returns the seconds since `start`."""
+    if hasattr(bar, "close"):
+        bar.close()
+    return time.perf_counter() - start
+
+
+def log_epoch(epoch: int, metrics: str, comm: dict, wall: float) -> None:
+    log(
+        f"epoch {epoch}: {metrics}, sent {human_bytes(comm['bytes_sent'])} per worker, "
+        f"compression {comm['ratio']:.1f}x, {wall:.1f} s"
+    )
+
+
+def finish(recorder, meter, model, args, method: str, metrics: dict, headline: str) -> dict:
+    """Writes the final record, prints its line; returns the record, with the model in it."""
+    totals = meter.totals()
+    record = recorder.finish(
+        dict(metrics, bytes_sent=int(totals["bytes_sent"]), ratio=totals["ratio"])
+    )
+    log(
+        f"Final: {headline}, bytes sent {human_bytes(totals['bytes_sent'])} per worker "
+        f"({int(totals['bytes_sent'])} B), compression ratio {totals['ratio']:.1f}x ({method}, "
+        f"{workers()}, {args.epochs} epoch{'s' if args.epochs > 1 else ''})"
+    )
+    record["model"] = model
+    return record
+
+
+# --- language models (LSTM, transformer) ------------------------------------------------------
+def lm_epoch_record(epoch, comm, train_loss, valid_ppl, test_ppl, lr, train_time, wall) -> dict:
+    return {
+        "epoch": epoch,
+        "steps": comm["steps"],
+        "train_loss": train_loss,
+        "train_perplexity": math.exp(min(train_loss, 50)),
+        "valid_perplexity": valid_ppl,
+        "test_perplexity": test_ppl,
+        "bytes_sent": comm["bytes_sent"],
+        "ratio": comm["ratio"],
+        "lr": lr,
+        "train_time_s": train_time,
+        "wall_time_s": wall,
+    }
+
+
+def log_lm_epoch(metrics: dict, more: str = "") -> None:
+    """Prints the line of one `lm_epoch_record`."""
+    log_epoch(
+        metrics["epoch"],
+        f"train loss {metrics['train_loss']:.3f}, valid perplexity "
+        f"{metrics['valid_perplexity']:.1f}, test perplexity {metrics['test_perplexity']:.1f}"
+        + more,
+        metrics,
+        metrics["wall_time_s"],
+    )
+
+
+def lm_checkpoint_extra(settings, recorder, meter, **more) -> dict:
+    """What an LM's checkpoint holds beside the weights: enough to go on as if never stopped."""
+    return dict(settings=settings, epochs=recorder.record["epochs"],
+                meter_steps=meter.totals()["steps"], rng=torch.get_rng_state(),
+                **more)  # fmt: skip
+
+
+def lm_resume(saved, recorder, meter, path) -> tuple:
+    """Continues the record, byte count and dropout stream of `saved` (an LM checkpoint's extra).
+
+    Returns (first epoch to train, last validation perplexity, last test perplexity).
+    """
+    recorder.resume(saved["epochs"])
+    meter.resume(saved["meter_steps"])
+    torch.set_rng_state(saved["rng"])  # dropout masks continue their stream
+    last = saved["epochs"][-1]
+    log(f"resumed from {path} after epoch {len(saved['epochs'])}")
+    return len(saved["epochs"]) + 1, last["valid_perplexity"], last["test_perplexity"]
+
+
+def lm_final(recorder, meter, model, args, method, valid_ppl, test_ppl) -> dict:
+    return finish(recorder, meter, model, args, method,
+                  {"valid_perplexity": valid_ppl, "test_perplexity": test_ppl},
+                  f"test perplexity {test_ppl:.1f}")  # fmt: skip

@@ -261,30 +261,18 @@ def main(argv=None) -> dict:
                 "wall_time_s": wall,
             }
         )
-        common.log(
-            f"epoch {epoch}: train loss {train_loss:.4f}, test loss {test_loss:.4f}, "
-            f"test accuracy {100 * accuracy:.2f}%, sent {common.human_bytes(comm['bytes_sent'])}"
-            f" per worker, compression {comm['ratio']:.1f}x, {wall:.1f} s"
+        common.log_epoch(
+            epoch,
+            f"train loss {train_loss:.4f}, test loss {test_loss:.4f}, "
+            f"test accuracy {100 * accuracy:.2f}%",
+            comm,
+            wall,
         )
 
     board.close()
-    totals = meter.totals()
-    record = recorder.finish(
-        {
-            "test_loss": test_loss,
-            "test_accuracy": accuracy,
-            "bytes_sent": int(totals["bytes_sent"]),
-            "ratio": totals["ratio"],
-        }
-    )
-    common.log(
-        f"Final: test accuracy {100 * accuracy:.2f}%, bytes sent "
-        f"{common.human_bytes(totals['bytes_sent'])} per worker ({int(totals['bytes_sent'])} B), "
-        f"compression ratio {totals['ratio']:.1f}x ({method}, {common.workers()}, "
-        f"{args.epochs} epoch{'s' if args.epochs > 1 else ''})"
-    )
-    record["model"] = model
-    return record
+    return common.finish(recorder, meter, model, args, method,
+                         {"test_loss": test_loss, "test_accuracy": accuracy},
+                         f"test accuracy {100 * accuracy:.2f}%")  # fmt: skip
 
 
 if __name__ == "__main__":

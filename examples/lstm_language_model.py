@@ -450,14 +450,8 @@ def main(argv=None) -> dict:
             saved["epochs"][-1]["lr"] = next_lr
             for group in optimizer.param_groups:
                 group["lr"] = next_lr
-        recorder.resume(saved["epochs"])
-        meter.resume(saved["meter_steps"])
-        torch.set_rng_state(saved["rng"])  # dropout masks continue their stream
-        best_valid, first_epoch = saved["best_valid"], len(saved["epochs"]) + 1
-        valid_ppl, test_ppl = (
-            saved["epochs"][-1][k] for k in ("valid_perplexity", "test_perplexity")
-        )
-        common.log(f"resumed from {args.checkpoint} after epoch {first_epoch - 1}")
+        best_valid = saved["best_valid"]
+        first_epoch, valid_ppl, test_ppl = common.lm_resume(saved, recorder, meter, args.checkpoint)
     for epoch in range(first_epoch, args.epochs + 1):
         model.train()
         start, before = time.perf_counter(), meter.totals()
@@ -486,13 +480,10 @@ def main(argv=None) -> dict:
                 bar.set_postfix(loss=f"{loss.item():.3f}")
             if step == steps_per_epoch:
                 break
-        if hasattr(bar, "close"):
-            bar.close()
-        train_time = time.perf_counter() - start
+        train_time = common.close(bar, start)
         comm = common.epoch_communication(before, meter.totals())
-        # Horovod: mean training loss over all workers' steps.
-        (train_loss,) = common.sum_across_ranks(loss_sum / steps_per_epoch, name="train_loss")
-        train_loss /= hvd.size()
+        # Horovod: mean training loss over all workers' steps (one all-reduce).
+        train_loss = common.mean_across_ranks(loss_sum / steps_per_epoch, name="train_loss")
         valid_ppl = evaluate(model, valid, args.bptt)
         test_ppl = evaluate(model, test, args.bptt)
         if args.lr_drop_after:  # fixed epochs: runs compare at the same LR every epoch
@@ -507,51 +498,20 @@ def main(argv=None) -> dict:
         wall = time.perf_counter() - start
         board.scalar("valid/perplexity", valid_ppl)
         board.scalar("test/perplexity", test_ppl)
+        lr = optimizer.param_groups[0]["lr"]  # the next epoch's
         recorder.add_epoch(
-            {
-                "epoch": epoch,
-                "steps": comm["steps"],
-                "train_loss": train_loss,
-                "train_perplexity": math.exp(min(train_loss, 50)),
-                "valid_perplexity": valid_ppl,
-                "test_perplexity": test_ppl,
-                "bytes_sent": comm["bytes_sent"],
-                "ratio": comm["ratio"],
-                "lr": optimizer.param_groups[0]["lr"],
-                "train_time_s": train_time,
-                "wall_time_s": wall,
-            }
+            common.lm_epoch_record(
+                epoch, comm, train_loss, valid_ppl, test_ppl, lr, train_time, wall
+            )
         )
         if args.checkpoint:
-            extra = {"settings": settings, "epochs": recorder.record["epochs"],
-                     "best_valid": best_valid, "meter_steps": meter.totals()["steps"],
-                     "rng": torch.get_rng_state(),
-                     "lr_drop_after": list(args.lr_drop_after)}  # fmt: skip
+            extra = common.lm_checkpoint_extra(settings, recorder, meter, best_valid=best_valid,
+                                               lr_drop_after=list(args.lr_drop_after))  # fmt: skip
             save(args.checkpoint, model, optimizer, extra)
-        common.log(
-            f"epoch {epoch}: train loss {train_loss:.3f}, valid perplexity {valid_ppl:.1f}, "
-            f"test perplexity {test_ppl:.1f}, sent {common.human_bytes(comm['bytes_sent'])} "
-            f"per worker, compression {comm['ratio']:.1f}x, {wall:.1f} s"
-        )
+        common.log_lm_epoch(recorder.record["epochs"][-1])
 
     board.close()
-    totals = meter.totals()
-    record = recorder.finish(
-        {
-            "valid_perplexity": valid_ppl,
-            "test_perplexity": test_ppl,
-            "bytes_sent": int(totals["bytes_sent"]),
-            "ratio": totals["ratio"],
-        }
-    )
-    common.log(
-        f"Final: test perplexity {test_ppl:.1f}, bytes sent "
-        f"{common.human_bytes(totals['bytes_sent'])} per worker ({int(totals['bytes_sent'])} B), "
-        f"compression ratio {totals['ratio']:.1f}x ({method}, {common.workers()}, "
-        f"{args.epochs} epoch{'s' if args.epochs > 1 else ''})"
-    )
-    record["model"] = model
-    return record
+    return common.lm_final(recorder, meter, model, args, method, valid_ppl, test_ppl)
 
 
 if __name__ == "__main__":

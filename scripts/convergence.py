@@ -14,6 +14,16 @@ What `make convergence` runs (issue 14). Three parts, each a list of runs:
   same LR in every epoch; with the stall rule each run cut at its own epoch, and the
   first cut, not the compressor, decided the gap. Validation perplexity is in every
   epoch's record, so "flattened" can be read off.
+- ``transformer`` (issue 26): the decoder-only transformer with AdamW
+  (examples/transformer_lm.py) on the same corpus, plain vs rank 4 and rank 16 with
+  ``rounds=2`` and ``start_iter`` equal to the LR warm-up (``TRANSFORMER_WARMUP`` steps,
+  as the README advises), seeds 42/43 (``--tf-seeds``), ``--tf-epochs`` (8) epochs with
+  the cosine over ``--tf-decay-epochs`` (8) in every run, so a run extended later keeps
+  the LR at the cosine's floor and compares with the others at the same LR every epoch.
+  Ranks: rank 4 sends 65.5x fewer bytes a compressed step than plain (the LSTM's rank),
+  rank 16 18.3x, the highest power of two whose 8-epoch total, warm-up included, stays
+  above the issue's 8x (10.8x; rank 32: 6.9x); docs/results/convergence-notes.md gives
+  the table for every rank.
 
 Runs are ordered so that a campaign cut short still answers the main questions (seed 42
 of every configuration first). Every run writes its JSON and log under
@@ -23,7 +33,8 @@ epoch (runs/convergence/, not tracked): an interrupted LSTM run goes on from its
 epoch, and a larger ``--lm-epochs`` extends finished runs. After every run the report
 (docs/results/convergence.md) and plots are rebuilt from all JSON files there.
 
-    python scripts/convergence.py                          # fashion, warmup, lstm (many hours)
+    python scripts/convergence.py                          # every part (many hours)
+    python scripts/convergence.py --parts transformer      # the transformer (about 11 hours)
     python scripts/convergence.py --parts fashion,warmup   # Fashion-MNIST only
     python scripts/convergence.py --deadline 09:40         # start no run after 09:40 UTC
     python scripts/convergence.py --parts lstm --lm-epochs 24  # train the LSTM runs on
@@ -60,8 +71,13 @@ EXAMPLES = {
         "test perplexity",
         False,
     ),
+    "transformer_lm": ("examples/transformer_lm.py", "test_perplexity", "test perplexity", False),
 }
 FASHION_STEPS_PER_EPOCH = 469  # 60,000 images / (2 workers x 64)
+# examples/transformer_lm.py's --warmup-steps default: the LR warm-up, and start_iter with it.
+TRANSFORMER_WARMUP = 200
+TRANSFORMER_RANKS = (4, 16)
+LANGUAGE_MODELS = ("lstm_language_model", "transformer_lm")
 CHECKPOINTS = os.path.join("runs", "convergence")  # from ROOT; ignored by git (tens of MB)
 
 
@@ -88,12 +104,17 @@ class Config:
         return text + (f", start_iter {self.start_iter}" if self.start_iter else "")
 
 
+PARTS = ("fashion", "warmup", "lstm", "transformer")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--np", type=int, default=2, help="workers per run")
-    p.add_argument("--parts", default="fashion,warmup,lstm", help="fashion, warmup, lstm")
+    p.add_argument(
+        "--parts", default=",".join(PARTS), help="any of " + ", ".join(PARTS) + ", comma-separated"
+    )
     p.add_argument("--seeds", default="42,43,44", help="Fashion-MNIST seeds")
     p.add_argument("--lm-seeds", default="42,43", help="LSTM seeds")
     p.add_argument("--cnn-epochs", type=int, default=10, help="Fashion-MNIST epochs")
@@ -104,8 +125,20 @@ def parse_args(argv=None):
         help="LSTM: divide the LR by 4 after these epochs in every run ('' = when validation "
         "stalls, which cuts each run at its own epoch)",
     )
-    p.add_argument("--lm-train-tokens", type=int, default=0, help="LSTM training tokens; 0 = all")
-    p.add_argument("--lm-eval-tokens", type=int, default=0, help="LSTM eval tokens; 0 = all")
+    p.add_argument("--tf-seeds", default="42,43", help="transformer seeds")
+    p.add_argument("--tf-epochs", type=int, default=8, help="transformer epochs")
+    p.add_argument(
+        "--tf-decay-epochs",
+        type=int,
+        default=8,
+        help="transformer: the cosine LR schedule reaches its floor after this many epochs",
+    )
+    p.add_argument(
+        "--lm-train-tokens", type=int, default=0, help="LSTM, transformer training tokens; 0 = all"
+    )
+    p.add_argument(
+        "--lm-eval-tokens", type=int, default=0, help="LSTM, transformer eval tokens; 0 = all"
+    )
     p.add_argument("--extra", default="", help="more flags for every run ('--max-steps 3')")
     p.add_argument("--deadline", default=None, help="HH:MM UTC: start no run after this time")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "results"), help="report folder")
@@ -121,16 +154,20 @@ def _ints(text):
 def run_plan(args):
     """[(name, config, seed, argv)] in the order they run."""
     parts = set(args.parts.split(","))
-    unknown = parts - {"fashion", "warmup", "lstm"}
+    unknown = parts - set(PARTS)
     if unknown:
-        raise SystemExit(f"unknown --parts {sorted(unknown)}; use fashion, warmup, lstm")
-    seeds, lm_seeds = _ints(args.seeds), _ints(args.lm_seeds)
+        raise SystemExit(f"unknown --parts {sorted(unknown)}; use {', '.join(PARTS)}")
+    seeds, lm_seeds, tf_seeds = _ints(args.seeds), _ints(args.lm_seeds), _ints(args.tf_seeds)
     plain, r2 = Config("fashion_mnist", 0), Config("fashion_mnist", 2)
     r2_one = Config("fashion_mnist", 2, rounds=1)
     others = [Config("fashion_mnist", 1), Config("fashion_mnist", 4)]
     warmups = [Config("fashion_mnist", 2, start_iter=s) for s in (100, FASHION_STEPS_PER_EPOCH)]
     lstm = [Config("lstm_language_model", 0)]
     lstm += [Config("lstm_language_model", 4, rounds=r) for r in (2, 1)]
+    transformer = [Config("transformer_lm", 0)]
+    transformer += [
+        Config("transformer_lm", r, start_iter=TRANSFORMER_WARMUP) for r in TRANSFORMER_RANKS
+    ]
 
     order = []  # (config, seed): seed 42 of everything first, then the other seeds
     if "fashion" in parts:
@@ -144,6 +181,8 @@ def run_plan(args):
         order += [(c, s) for s in seeds[1:] for c in warmups]
     if "lstm" in parts:
         order += [(c, s) for s in lm_seeds for c in lstm]
+    if "transformer" in parts:
+        order += [(c, s) for s in tf_seeds for c in transformer]
 
     plan = []
     for config, seed in order:
@@ -153,10 +192,15 @@ def run_plan(args):
         if config.example == "fashion_mnist":
             argv += ["--epochs", str(args.cnn_epochs)]
         else:
-            argv += ["--epochs", str(args.lm_epochs), "--train-subset", str(args.lm_train_tokens)]
+            if config.example == "lstm_language_model":
+                argv += ["--epochs", str(args.lm_epochs)]
+                if args.lm_lr_drop_after:
+                    argv += ["--lr-drop-after", args.lm_lr_drop_after]
+            else:
+                argv += ["--epochs", str(args.tf_epochs), "--decay-epochs"]
+                argv += [str(args.tf_decay_epochs), "--warmup-steps", str(TRANSFORMER_WARMUP)]
+            argv += ["--train-subset", str(args.lm_train_tokens)]
             argv += ["--eval-subset", str(args.lm_eval_tokens)]
-            if args.lm_lr_drop_after:
-                argv += ["--lr-drop-after", args.lm_lr_drop_after]
             # Saved after every epoch: an interrupted run, or one asked for more
             # --lm-epochs later, goes on from its last epoch.
             argv += ["--checkpoint", os.path.join(CHECKPOINTS, f"{name}.ckpt")]
@@ -458,6 +502,9 @@ TARGETS = {
     ("fashion_mnist", 1, 2, 0): (1.0, None),
     ("lstm_language_model", 4, 2, 0): (2.0, 35.0),
     ("lstm_language_model", 4, 1, 0): (2.0, 35.0),
+    # issue 26: within 2 % of plain at >= 8x fewer bytes over the whole run, warm-up included
+    ("transformer_lm", 4, 2, TRANSFORMER_WARMUP): (2.0, 8.0),
+    ("transformer_lm", 16, 2, TRANSFORMER_WARMUP): (2.0, 8.0),
 }
 
 
@@ -491,7 +538,7 @@ def _targets(groups):
         ok = behind <= loss and (ratio is None or fewer >= ratio)
         want = f"within {loss} {unit}" + (f", >= {ratio:.0f}x fewer bytes" if ratio else "")
         when = ""
-        if example == "lstm_language_model":
+        if example in LANGUAGE_MODELS:
             both = [*plain, *mine]
             epochs = sorted({len(r["epochs"]) for r in both})
             when = f" after {'/'.join(map(str, epochs))} epochs"
@@ -538,8 +585,11 @@ def _lr_cuts(record):
     ]
 
 
-def _flattening_table(groups):
-    """Per LSTM run: where validation perplexity stopped improving, and the LR cuts."""
+def _flattening_table(groups, example="lstm_language_model"):
+    """Per run of a language model: where validation perplexity stopped improving, LR cuts.
+
+    The transformer's LR follows a cosine, which falls every epoch: its column says so.
+    """
     lines = [
         "| configuration | seed | epochs | best valid perplexity (epoch) | test perplexity there "
         f"| last epoch vs the one before | last {FLAT_EPOCHS} epochs, per epoch "
@@ -548,12 +598,15 @@ def _flattening_table(groups):
     ]
     for key in _ordered(groups):
         for r in groups[key]:
-            if r["example"] != "lstm_language_model":
+            if r["example"] != example:
                 continue
             epochs = r["epochs"]
             valid = [e["valid_perplexity"] for e in epochs]
             best = min(range(len(valid)), key=valid.__getitem__)
-            cuts = _lr_cuts(r)
+            if example == "transformer_lm":
+                cuts = [f"cosine over {r['args']['decay_epochs']} epochs"]
+            else:
+                cuts = _lr_cuts(r)
             lines.append(
                 f"| {_config(groups[key]).label} | {r['args']['seed']} | {len(epochs)} "
                 f"| {valid[best]:.1f} ({epochs[best]['epoch']}) | {_value(r, best + 1):.2f} "
@@ -563,17 +616,17 @@ def _flattening_table(groups):
     return lines if len(lines) > 2 else []
 
 
-def _gap_by_epoch_table(groups):
-    """LSTM test perplexity by epoch, seed means, each configuration against plain's same seeds.
+def _gap_by_epoch_table(groups, example="lstm_language_model"):
+    """A language model's test perplexity by epoch, seed means, each against plain's seeds.
 
     Shows whether a gap to plain is closing or steady as the curves flatten, which a verdict
     read at one epoch cannot.
     """
-    plain = groups.get(Config("lstm_language_model", 0).key)
+    plain = groups.get(Config(example, 0).key)
     others = [
         k
         for k in _ordered(groups)
-        if groups[k][0]["example"] == "lstm_language_model" and _config(groups[k]).rank
+        if groups[k][0]["example"] == example and _config(groups[k]).rank
     ]
     if not plain or not others:
         return []
@@ -587,14 +640,14 @@ def _gap_by_epoch_table(groups):
             mean = statistics.fmean(_value(r, epoch) for r in records)
             paired = statistics.fmean(_value(r, epoch) for r in mine)
             base = statistics.fmean(_value(r, epoch) for r in same)
-            row += [f"{mean:.2f}", _delta("lstm_language_model", paired, base)]
+            row += [f"{mean:.2f}", _delta(example, paired, base)]
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
 
 def _per_epoch_table(example, groups):
     key = EXAMPLES[example][1]
-    extra = example == "lstm_language_model"
+    extra = example in LANGUAGE_MODELS
     head = "| configuration | seed | epoch | " + EXAMPLES[example][2]
     head += " | valid perplexity | lr" if extra else ""
     lines = [head + " | train loss | train time |", "|---" * (8 if extra else 6) + "|"]
@@ -610,6 +663,14 @@ def _per_epoch_table(example, groups):
                 cells += [f"{e['train_loss']:.4f}", f"{e['train_time_s']:.0f} s"]
                 lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+LR_NOTES = {
+    "lstm_language_model": '"LR cut after epochs" is read from each run\'s record: the '
+    "campaign cuts the LR by 4 at the same epochs in every run (`--lm-lr-drop-after`).",
+    "transformer_lm": "Every run follows the same warm-up and cosine (`--tf-decay-epochs`), "
+    "so the LR falls every epoch, alike in every run.",
+}
 
 
 def write_report(groups, out_dir):
@@ -637,7 +698,7 @@ def write_report(groups, out_dir):
             lines += [f.read().rstrip(), ""]
     targets = _targets(groups)
     if targets:
-        lines += ["## Targets (issue 14), from the runs below", "", *targets, ""]
+        lines += ["## Targets (issues 14 and 26), from the runs below", "", *targets, ""]
     for example in EXAMPLES:
         lines += [f"## {example}", ""]
         mine = {k: g for k, g in groups.items() if g[0]["example"] == example}
@@ -645,21 +706,20 @@ def write_report(groups, out_dir):
             lines += ["Not run yet.", ""]
             continue
         lines += [*_summary_table(example, mine), ""]
-        flat = _flattening_table(mine) if example == "lstm_language_model" else []
+        flat = _flattening_table(mine, example) if example in LANGUAGE_MODELS else []
         if flat:
             lines += [
                 "### Did validation perplexity flatten?",
                 "",
                 f"Flattened: over the last {FLAT_EPOCHS} epochs, validation perplexity improved by",
-                f'less than {FLAT:g} % an epoch on average (or got worse). "LR cut after epochs"',
-                "is read from each run's record: the campaign cuts the LR by 4 at the same epochs",
-                "in every run (`--lm-lr-drop-after`). The classic recipe reads test perplexity at",
-                "the best validation epoch; the tables above read the last epoch.",
+                f"less than {FLAT:g} % an epoch on average (or got worse). {LR_NOTES[example]}",
+                "The classic recipe reads test perplexity at the best validation epoch; the",
+                "tables above read the last epoch.",
                 "",
                 *flat,
                 "",
             ]
-        gap = _gap_by_epoch_table(mine) if example == "lstm_language_model" else []
+        gap = _gap_by_epoch_table(mine, example) if example in LANGUAGE_MODELS else []
         if gap:
             lines += [
                 "### Test perplexity epoch by epoch: is the gap to plain closing?",

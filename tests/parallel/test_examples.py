@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 import fashion_mnist
 import lstm_language_model
+import transformer_lm
 
 TINY = ["--epochs", "1", "--max-steps", "2", "--no-progress", "--seed", "3"]
 
@@ -26,6 +27,17 @@ def assert_same_parameters_on_every_rank(model):
     assert torch.isfinite(flat).all()
     reference = hvd.broadcast(flat, root_rank=0, name="examples.params")
     assert torch.equal(flat, reference), "ranks ended with different parameters"
+
+
+def assert_resumed_like_straight(resumed, straight):
+    """A run resumed after epoch 1 ended with the weights and records of one never stopped."""
+    assert resumed["resumed_after_epoch"] == [1]
+    for a, b in zip(straight["model"].parameters(), resumed["model"].parameters(), strict=True):
+        assert torch.equal(a, b), "resumed weights differ from an uninterrupted run's"
+    keys = ("epoch", "steps", "train_loss", "valid_perplexity", "lr", "bytes_sent", "ratio")
+    assert [{k: e[k] for k in keys} for e in resumed["epochs"]] == [
+        {k: e[k] for k in keys} for e in straight["epochs"]
+    ]
 
 
 def check_communication(final, powersgd_rank):
@@ -117,13 +129,7 @@ def test_lstm_checkpoint_goes_on_as_if_never_stopped(shared_dir, corpus, powersg
     argv = tiny_lm_argv(corpus, powersgd_rank, "--checkpoint", ckpt, "--epochs", "3")
     resumed = lstm_language_model.main([*argv, "--json", json_path])
 
-    assert resumed["resumed_after_epoch"] == [1]
-    for a, b in zip(straight["model"].parameters(), resumed["model"].parameters(), strict=True):
-        assert torch.equal(a, b), "resumed weights differ from an uninterrupted run's"
-    keys = ("epoch", "steps", "train_loss", "valid_perplexity", "lr", "bytes_sent", "ratio")
-    assert [{k: e[k] for k in keys} for e in resumed["epochs"]] == [
-        {k: e[k] for k in keys} for e in straight["epochs"]
-    ]
+    assert_resumed_like_straight(resumed, straight)
     for key in ("test_perplexity", "bytes_sent", "ratio"):
         assert resumed["final"][key] == straight["final"][key], key
     assert_same_parameters_on_every_rank(resumed["model"])
@@ -183,3 +189,40 @@ def test_lstm_fixed_lr_drops_can_join_a_run_that_followed_them(shared_dir, corpu
             tiny_lm_argv(corpus, 4, "--checkpoint", ckpt, "--epochs", "4", "--lr-drop-after", "2")
         )
     assert checkpoint_files(shared_dir) == saved, "a refused resume changed the checkpoint"
+
+
+def tiny_transformer_argv(corpus, powersgd_rank, *more):
+    return [
+        "--max-steps", "3", "--no-progress", "--seed", "3", "--powersgd-rank", str(powersgd_rank),
+        "--text-file", str(corpus), "--batch-size", "4", "--block", "8", "--size", "16",
+        "--layers", "1", "--heads", "2", "--vocab-size", "50", "--warmup-steps", "2", *more,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("powersgd_rank", [0, 4])
+def test_transformer_checkpoint_goes_on_as_if_never_stopped(shared_dir, corpus, powersgd_rank):
+    """AdamW + warm-up + cosine: 3 epochs straight equal 1 epoch, then resumed to 3."""
+    cosine = ["--decay-epochs", "3"]  # the schedule's length, the same for both runs
+    straight = transformer_lm.main(
+        tiny_transformer_argv(corpus, powersgd_rank, "--epochs", "3", *cosine)
+    )
+    ckpt = os.path.join(shared_dir, "runs", "tf.ckpt")
+    first = tiny_transformer_argv(corpus, powersgd_rank, "--checkpoint", ckpt, "--epochs", "1")
+    transformer_lm.main([*first, *cosine])
+    argv = tiny_transformer_argv(corpus, powersgd_rank, "--checkpoint", ckpt, "--epochs", "3")
+    resumed = transformer_lm.main([*argv, *cosine])
+
+    assert_resumed_like_straight(resumed, straight)
+    # --start-iter defaults to the warm-up: 2 plain steps, then compressed.
+    assert straight["args"]["start_iter"] == 2
+    ratios = [e["ratio"] for e in straight["epochs"]]
+    assert ratios[0] < ratios[1] == ratios[2] if powersgd_rank else ratios == [1.0] * 3
+    assert resumed["final"]["test_perplexity"] == straight["final"]["test_perplexity"]
+    assert_same_parameters_on_every_rank(resumed["model"])
+
+    # Another cosine (--decay-epochs defaults to --epochs) would change the LR of the
+    # epochs already trained: refused.
+    with pytest.raises(ValueError, match="decay_epochs: 3 there, 4 now"):
+        transformer_lm.main(
+            tiny_transformer_argv(corpus, powersgd_rank, "--checkpoint", ckpt, "--epochs", "4")
+        )

@@ -151,6 +151,7 @@ FASHION = "/usr/share/datasets/fashion-mnist"
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 import fashion_mnist  # noqa: E402  (the examples themselves)
 import lstm_language_model  # noqa: E402
+import transformer_lm  # noqa: E402
 from fashion_mnist import Net, load_split  # noqa: E402
 
 
@@ -223,6 +224,13 @@ EXAMPLES = {
         lstm_language_model.main,
         ["--powersgd-rank", "4", "--train-subset", "20000", "--eval-subset", "2000",
          "--batch-size", "4", "--bptt", "10", "--size", "32", "--vocab-size", "2000"],
+        ("valid/perplexity", "test/perplexity"),
+    ),
+    "transformer": (
+        transformer_lm.main,
+        ["--powersgd-rank", "4", "--train-subset", "20000", "--eval-subset", "2000",
+         "--batch-size", "4", "--block", "10", "--size", "32", "--layers", "1", "--heads", "2",
+         "--vocab-size", "2000", "--warmup-steps", "2", "--start-iter", "0"],
         ("valid/perplexity", "test/perplexity"),
     ),
 }  # fmt: skip

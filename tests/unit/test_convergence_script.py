@@ -14,7 +14,7 @@ def flag(argv, name):
     return argv[argv.index(name) + 1]
 
 
-def test_plan_covers_issue_14_and_runs_seed_42_of_everything_first():
+def test_plan_covers_issues_14_and_26_and_runs_seed_42_of_everything_first():
     plan = convergence.run_plan(convergence.parse_args([]))
     names = [name for name, *_ in plan]
     assert len(names) == len(set(names)), "two runs would share one JSON file"
@@ -27,6 +27,12 @@ def test_plan_covers_issue_14_and_runs_seed_42_of_everything_first():
     for seed in (42, 43):
         for rank, rounds in ((0, 2), (4, 2), (4, 1)):
             assert ("lstm_language_model", rank, rounds, 0, seed) in runs
+        # Issue 26: plain vs two ranks, rounds=2, PowerSGD from the end of the LR warm-up.
+        assert ("transformer_lm", 0, 2, 0, seed) in runs
+        for rank in (4, 16):
+            assert ("transformer_lm", rank, 2, 200, seed) in runs
+    transformer = [(c.rank, seed) for _, c, seed, _ in plan if c.example == "transformer_lm"]
+    assert transformer == [(0, 42), (4, 42), (16, 42), (0, 43), (4, 43), (16, 43)]
     fashion = [seed for _, c, seed, _ in plan if c.example == "fashion_mnist"]
     first_other = fashion.index(43)
     assert set(fashion[:first_other]) == {42} and 42 not in fashion[first_other:]
@@ -34,22 +40,46 @@ def test_plan_covers_issue_14_and_runs_seed_42_of_everything_first():
 
 
 def test_plan_passes_every_setting_to_the_example():
-    args = convergence.parse_args(["--parts", "fashion,lstm", "--extra", "--max-steps 3"])
+    args = convergence.parse_args(
+        ["--parts", "fashion,lstm,transformer", "--extra", "--max-steps 3"]
+    )
+    examples = set()
     for name, config, seed, argv in convergence.run_plan(args):
         assert int(flag(argv, "--seed")) == seed
         assert int(flag(argv, "--powersgd-rank")) == config.rank
         assert int(flag(argv, "--rounds")) == config.rounds
         assert int(flag(argv, "--start-iter")) == config.start_iter
         assert argv[-2:] == ["--max-steps", "3"]
-        if config.example == "lstm_language_model":
+        examples.add(config.example)
+        if config.example in ("lstm_language_model", "transformer_lm"):
             assert flag(argv, "--train-subset") == "0", "the whole corpus"
-            assert flag(argv, "--epochs") == "20"
-            assert flag(argv, "--lr-drop-after") == "14", "the same LR schedule in every run"
+            assert flag(argv, "--eval-subset") == "0"
             # One checkpoint per run, outside the tracked results.
             assert flag(argv, "--checkpoint") == f"runs/convergence/{name}.ckpt"
+        if config.example == "lstm_language_model":
+            assert flag(argv, "--epochs") == "20"
+            assert flag(argv, "--lr-drop-after") == "14", "the same LR schedule in every run"
+        elif config.example == "transformer_lm":
+            assert flag(argv, "--epochs") == "8"
+            # The same cosine in every run, also when a run is extended later.
+            assert flag(argv, "--decay-epochs") == "8"
+            assert "--lr-drop-after" not in argv
+            if config.rank:
+                assert flag(argv, "--start-iter") == flag(argv, "--warmup-steps") == "200"
         else:
             assert flag(argv, "--epochs") == "10"
             assert "--lr-drop-after" not in argv
+    assert examples == set(convergence.EXAMPLES)
+
+
+def test_transformer_warm_up_is_the_examples_lr_warm_up():
+    """start_iter = the LR warm-up (README), and the runs use the example's own default."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+    import transformer_lm
+
+    defaults = transformer_lm.build_parser().parse_args([])
+    assert defaults.warmup_steps == convergence.TRANSFORMER_WARMUP
+    assert defaults.start_iter is None, "--start-iter follows --warmup-steps unless given"
 
 
 def test_unknown_part_is_refused():
@@ -284,3 +314,40 @@ def test_a_run_trained_on_another_lr_schedule_is_not_extended(tmp_path, monkeypa
     assert "s43: its LR" not in out
     ((command),) = launched
     assert command[command.index("--json") + 1].endswith("-s43.json")
+
+
+def test_transformer_report_reads_the_cosine_runs(tmp_path):
+    plain = convergence.Config("transformer_lm", 0)
+    r4 = convergence.Config("transformer_lm", 4, start_iter=200)
+    r16 = convergence.Config("transformer_lm", 16, start_iter=200)
+    runs = []
+    for config, valid, ratio in ((plain, [300, 200, 150, 149], 1.0),
+                                 (r4, [320, 210, 160, 156], 16.4),
+                                 (r16, [310, 202, 152, 150.5], 8.7)):  # fmt: skip
+        record = lstm_record(config, 42, valid, [1e-3, 8e-4, 3e-4, 1e-4])
+        record["example"] = "transformer_lm"
+        record["args"]["decay_epochs"] = 4
+        for e in record["epochs"]:
+            e["ratio"] = ratio
+        record["final"]["ratio"] = ratio
+        runs.append(record)
+    groups = write_runs(tmp_path / "convergence", runs)
+    targets = convergence._targets(groups)
+    # Rank 4: 156 vs 149 x 1.02 is +4.7 %: missed; rank 16: +1.0 % at 8.7x: met.
+    assert len(targets) == 2, targets
+    assert targets[0].startswith("- transformer_lm, rank 4, rounds=2, start_iter 200: **missed**")
+    assert "+4.70 % vs plain" in targets[0]
+    assert (
+        "rank 16, rounds=2, start_iter 200: **met** (within 2.0 %, >= 8x fewer bytes)" in targets[1]
+    )
+    table = "\n".join(convergence._flattening_table(groups, "transformer_lm"))
+    assert "| plain Horovod | 42 | 4 | 149.0 (4) |" in table, table
+    # Still falling 21 % an epoch over the last three: not flat, and the verdict says so.
+    assert "| -0.7 % | -20.8 % | cosine over 4 epochs | no |" in table, table
+    assert "(validation perplexity still falling" in targets[1]
+    gap = convergence._gap_by_epoch_table(groups, "transformer_lm")
+    assert gap[0].startswith("| epoch | plain Horovod | rank 4, rounds=2, start_iter 200 |")
+    convergence.write_report(groups, str(tmp_path))
+    report = (tmp_path / "convergence.md").read_text()
+    assert "## transformer_lm" in report and "same warm-up and cosine" in report
+    assert (tmp_path / "convergence_transformer_lm.png").stat().st_size > 10_000
