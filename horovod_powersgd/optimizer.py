@@ -150,6 +150,11 @@ class _DistributedOptimizer:
         self._should_synchronize = True
         self.powersgd_step = 0  # communication steps done so far
         self._drift_check_due = False  # step() compares the parameters across ranks
+        # The first step after the ranks agreed on their state checks too: a
+        # resume can leave ranks with different weights (with weight decay,
+        # hvd.broadcast_optimizer_state's initialising step on zero gradients
+        # moves those of ranks that had no optimizer state).
+        self._check_after_agreeing = False
 
         # --- statistics ------------------------------------------------------------------
         self._numel = sum(p.numel() for p in self._params)
@@ -242,6 +247,7 @@ class _DistributedOptimizer:
         self.powersgd_step = payload["step"]
         self._stats = dict(payload["stats"])
         self._agree_pending = self._loaded = False
+        self._check_after_agreeing = True
         # One small all-gather tells every rank which ranks took the root's
         # state and whether any rank saw the world change (a worker that just
         # joined did not), so that all decide and warn alike: a warning on some
@@ -282,6 +288,7 @@ class _DistributedOptimizer:
         collective (a hang or a shape mismatch).
         """
         self._agree_pending = False
+        self._check_after_agreeing = True  # every rank is here: a collective
         digest = _state_digest(self.powersgd_step, self.compressor.shared_state())
         mine = torch.tensor([[int(self._loaded), *digest]], dtype=torch.int64)
         everyone = hvd.allgather(
@@ -407,7 +414,10 @@ class _DistributedOptimizer:
         self._stats["elements_uncompressed"] += self._numel
         self.powersgd_step += 1
         # The check follows the update this step's gradients make (in step()).
-        self._drift_check_due = self._guard.due(self.powersgd_step)
+        self._drift_check_due = self._guard.due(self.powersgd_step) or (
+            self._check_after_agreeing and self._guard.every > 0
+        )
+        self._check_after_agreeing = False
         self._reset_step()
         self._synchronized = True
         if self._monitor is not None:  # last: its warning may raise (-W error) on every rank
@@ -417,7 +427,8 @@ class _DistributedOptimizer:
             )
 
     def _check_drift(self) -> None:
-        """Every `drift_check_every` steps: repair parameters that differ across ranks.
+        """Every `drift_check_every` steps, and at the first step after the ranks agreed on
+        their state (see `_agree_on_shared_state`): repair parameters that differ across ranks.
 
         Runs right after the wrapped optimizer's step, so the parameters and
         their optimizer state are identical on every rank after it. (If no
@@ -432,8 +443,10 @@ class _DistributedOptimizer:
             warnings.warn(
                 f"parameters differed across ranks at step {self.powersgd_step} and were "
                 f"reset to rank {root}'s: {drifted[:5]}{' ...' if len(drifted) > 5 else ''} "
-                "(ranks rebuild the compressed gradient themselves, and processors or thread "
-                "counts that round differently drift apart; see drift_check_every)",
+                "(after a resume, hvd.broadcast_optimizer_state's initialising step with "
+                "weight decay moves the ranks that had no optimizer state; later, ranks "
+                "whose processors or thread counts round differently drift apart, since each "
+                "rebuilds the compressed gradient itself; see drift_check_every)",
                 stacklevel=3,
             )
 
