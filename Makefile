@@ -20,7 +20,7 @@ MPIRUN := mpirun --allow-run-as-root --oversubscribe -np $(NP) --bind-to none --
 # test (per-test limit in pyproject.toml), this cap ends the whole launcher.
 RUN_CAP ?= timeout --signal=KILL 1200
 
-.PHONY: setup test test-unit test-parallel test-mpi test-gloo test-launch demo bench lint convergence docker-check long-run clean slurm-check
+.PHONY: setup test test-unit test-parallel test-mpi test-gloo test-launch demo bench bench-overheads lint convergence docker-check long-run clean slurm-check
 
 setup:
 	bash scripts/bootstrap.sh
@@ -115,6 +115,21 @@ bench: setup
 	$(PY) -m horovod_powersgd.bench $(BENCH_COMMON) --from-json build/bench-resnet18.json build/bench-lstm.json \
 		build/bench-lstm-50.json build/bench-fp16.json build/bench-many.json --command-line "make bench" \
 		--plot docs/benchmarks.png --markdown docs/benchmarks.md
+
+# The overheads alone, unlimited bandwidth (about 20 minutes; nothing else may run):
+# per-layer statistics on / off (ResNet-18, LSTM) and the many-shapes model against
+# plain Horovod -> docs/benchmarks-overheads.md. Same driver and medians as `make bench`.
+BENCH_OVERHEAD_RESNET = $(BENCH_COMMON) --models resnet18,manyshapes --bandwidth unlimited \
+	--configs local,horovod,powersgd:2,powersgd-1round:2,powersgd-nostats:2
+BENCH_OVERHEAD_LSTM = -np 2 --warmup-steps 3 --steps 6 --repeat $(BENCH_REPEAT) --models lstm \
+	--compare-rank 4 --bandwidth unlimited --configs horovod,powersgd:4,powersgd-nostats:4
+bench-overheads: setup
+	mkdir -p build
+	$(PY) -m horovod_powersgd.bench $(BENCH_OVERHEAD_RESNET) --json build/bench-overheads.json
+	$(PY) -m horovod_powersgd.bench $(BENCH_OVERHEAD_LSTM) --json build/bench-overheads-lstm.json
+	$(PY) -m horovod_powersgd.bench $(BENCH_COMMON) --from-json build/bench-overheads.json \
+		build/bench-overheads-lstm.json --command-line "make bench-overheads" \
+		--markdown docs/benchmarks-overheads.md
 
 # 2000 steps under mpirun: RSS over time and NaN/Inf checks -> docs/long_run.md
 # (a few minutes on 2 cores; not part of `make test`).
