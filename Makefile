@@ -116,7 +116,7 @@ bench: setup
 		build/bench-lstm-50.json build/bench-fp16.json build/bench-many.json --command-line "make bench" \
 		--plot docs/benchmarks.png --markdown docs/benchmarks.md
 
-# The overheads alone, unlimited bandwidth (about 20 minutes; nothing else may run):
+# The overheads alone, unlimited bandwidth (about 10 minutes; nothing else may run):
 # per-layer statistics on / off (ResNet-18, LSTM) and the many-shapes model against
 # plain Horovod -> docs/benchmarks-overheads.md. Same driver and medians as `make bench`.
 BENCH_OVERHEAD_RESNET = $(BENCH_COMMON) --models resnet18,manyshapes --bandwidth unlimited \
