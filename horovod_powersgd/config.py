@@ -24,8 +24,9 @@ class PowerSGDConfig:
 
     How to tune:
       * ``rank``: 1-4 is enough for CNNs (the paper trains ResNet-18 on
-        CIFAR-10 at rank 2 to full-SGD accuracy); transformers and LSTMs want
-        more (4-32). Bytes per step grow linearly with rank.
+        CIFAR-10 at rank 2 to full-SGD accuracy); the LSTM language model
+        matched plain Horovod at 4 (docs/results/convergence.md); transformers
+        are not measured yet. Bytes per step grow linearly with rank.
       * ``start_iter``: steps of uncompressed all-reduce before compression
         starts. 0 (the default) keeps every step compressed; one plain step
         sends as much as ~100 compressed ones (rank 2, the examples' CNN).
