@@ -713,7 +713,8 @@ class PowerSGDCompressor:
             kinds = ["q"] if b.rounds == 2 else b.sent
             # Flat, in the compute dtype (a copy only where the wire's differs).
             factors = {kind: next(received).to(b.dtype) for kind in kinds}
-            for g in b.groups.values():  # float16 wire: divide the powers of two out, exactly
+            for g in b.groups.values() if b.scaled else ():
+                # float16 wire: divide the powers of two out, exactly
                 sends = "q" if b.rounds == 2 else g.sends[self.phase]
                 scale = g.q_scale if sends == "q" else g.p_scale
                 if scale is not None:
