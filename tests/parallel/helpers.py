@@ -40,3 +40,16 @@ def assert_same_on_every_rank(tensor, name):
 def powersgd(model, **kwargs):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     return hps.DistributedOptimizer(opt, named_parameters=model.named_parameters(), **kwargs)
+
+
+def local_gradients(model, loss):
+    """This rank's own gradients of `loss`, computed without touching `p.grad`.
+
+    The optimizer's hooks fire as `p.grad` accumulates and all-reduce the
+    uncompressed gradients in place, in the background, as Horovod does: a copy
+    of `p.grad` taken between backward and synchronize() may already hold part
+    of the average. `torch.autograd.grad` accumulates nothing, so no hook fires.
+    """
+    names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
+    grads = torch.autograd.grad(loss, params, retain_graph=True)
+    return dict(zip(names, grads))

@@ -8,7 +8,14 @@ import horovod.torch as hvd
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_same_on_every_rank, batch, make_model, powersgd, train
+from helpers import (
+    assert_same_on_every_rank,
+    batch,
+    local_gradients,
+    make_model,
+    powersgd,
+    train,
+)
 from torch import nn
 
 import horovod_powersgd as hps
@@ -19,8 +26,9 @@ def test_full_rank_equals_plain_horovod_average():
     opt = powersgd(model, rank=64, min_compression_rate=0)
     assert len(opt.compressor.compressed_names) == 3
     x, y = batch(0)
-    F.cross_entropy(model(x), y).backward()
-    raw = {n: p.grad.clone() for n, p in model.named_parameters()}
+    loss = F.cross_entropy(model(x), y)
+    raw = local_gradients(model, loss)
+    loss.backward()
     expected = {n: hvd.allreduce(g, name=f"expected.{n}", op=hvd.Average) for n, g in raw.items()}
     opt.synchronize()
     for n, p in model.named_parameters():

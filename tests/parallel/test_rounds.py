@@ -12,7 +12,14 @@ import horovod.torch as hvd
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_same_on_every_rank, batch, make_model, powersgd, train
+from helpers import (
+    assert_same_on_every_rank,
+    batch,
+    local_gradients,
+    make_model,
+    powersgd,
+    train,
+)
 
 import horovod_powersgd as hps
 from horovod_powersgd import schedule as schedule_module
@@ -163,8 +170,9 @@ def test_every_send_pattern_in_one_bucket(schedule):
         g = torch.Generator().manual_seed(100 * step + hvd.rank())
         x, y = torch.randn(8, 2, generator=g), torch.randint(0, 3, (8,), generator=g)
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        raw = {n: p.grad.clone() for n, p in model.named_parameters()}
+        loss = F.cross_entropy(model(x), y)
+        raw = local_gradients(model, loss)
+        loss.backward()
         opt.synchronize()
         for n, p in model.named_parameters():
             assert torch.isfinite(p.grad).all(), (step, n)
