@@ -134,6 +134,21 @@ class LayerMonitor:
         self._history: list[tuple[float, float]] = []
         self.warned = False
 
+    def reset(self) -> None:
+        """Forget the averages and the detector's history: the state they described is gone.
+
+        After `load_state_dict` or after taking another rank's state, the error
+        buffers belong to another trajectory (or start at zero): averages of
+        the steps before would describe, and warn about, what no longer exists.
+        Whether this rank warned already is kept (one warning per run).
+        """
+        self._norms.zero_()
+        self._ema.zero_()
+        self.checked_step = None
+        self._agreed = []
+        self._model = (math.nan, math.nan)
+        self._history = []
+
     def _device(self) -> torch.device:
         if not self.names:
             return torch.device("cpu")

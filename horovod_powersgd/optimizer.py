@@ -216,6 +216,10 @@ class _DistributedOptimizer:
                     + _first_difference(mine, other, self.process_set.rank(), other_rank)
                 )
 
+    def _reset_monitor(self) -> None:
+        if self._monitor is not None:
+            self._monitor.reset()
+
     def broadcast_powersgd_state(self, root_rank: int = 0) -> None:
         """Make the state that must agree across ranks equal to `root_rank`'s.
 
@@ -265,9 +269,11 @@ class _DistributedOptimizer:
         took_over = [r for r, (took, _) in enumerate(flags) if took]
         if any(resized for _, resized in flags):
             self.compressor.reset_error()  # every residual was a share of the old world's sum
+            self._reset_monitor()
         elif took_over:
             if self.process_set.rank() in took_over:
                 self.compressor.reset_error()
+                self._reset_monitor()
             warnings.warn(
                 f"rank(s) {took_over} took the PowerSGD state of rank {root_rank} (step "
                 f"{self.powersgd_step}): their error buffers start at zero",
@@ -556,7 +562,9 @@ class _DistributedOptimizer:
             what the log line and the early warning use). None where there is no
             value yet. `error_norm` and `gradient_norm` are the whole model's
             (over the layers' moving averages, mean of the ranks at
-            `checked_step`): what the early warning watches.
+            `checked_step`): what the early warning watches. The averages
+            are not saved: `load_state_dict` (and taking another rank's state)
+            starts them again, so they describe only steps of the state loaded.
 
         Example:
             >>> worst = max(opt.compression_stats(per_layer=True)["layers"],
@@ -617,6 +625,7 @@ class _DistributedOptimizer:
         self._should_synchronize = True
         self._base.load_state_dict(self, state_dict)
         self._agree_pending, self._loaded = self._active, True
+        self._reset_monitor()  # the statistics of the steps before describe another state
         if ours is None:
             warnings.warn(
                 "loading an optimizer state without PowerSGD state: error buffers and Q "

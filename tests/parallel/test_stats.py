@@ -1,5 +1,6 @@
 """Per-layer statistics, the log line and the early warning, on every rank."""
 
+import copy
 import logging
 import math
 import os
@@ -117,6 +118,28 @@ def test_log_line_on_rank_0_names_steps_ratio_bytes_and_worst_layers(caplog):
     assert f"{stats['ratio']:.1f}x" in line
     assert f"{stats['bytes_sent'] / 1000:.1f} KB sent" in line
     assert f"worst relative error (mean of {hvd.size()} ranks, step 20): {worst['name']}" in line
+
+
+def test_statistics_after_a_load_describe_the_loaded_state_only():
+    # The averages and the early warning's history describe the error buffers of
+    # the steps taken; after load_state_dict those buffers are the loaded ones
+    # (under elastic Horovod, a rollback to the last commit), so both start again.
+    model = make_model()
+    opt = powersgd(model, rank=2)
+    train(model, opt, steps=monitor.CHECK_EVERY)
+    saved = copy.deepcopy(opt.state_dict())
+    train(model, opt, steps=2 * monitor.CHECK_EVERY, first_step=monitor.CHECK_EVERY)
+    assert opt.compression_stats(per_layer=True)["checked_step"] == 3 * monitor.CHECK_EVERY
+    opt.load_state_dict(saved)
+    stats = opt.compression_stats(per_layer=True)
+    assert stats["checked_step"] is None
+    for layer in stats["layers"]:
+        assert layer["relative_error"] is None and layer["avg_relative_error"] is None, layer
+    assert opt._monitor._history == []
+    train(model, opt, steps=monitor.CHECK_EVERY, first_step=monitor.CHECK_EVERY)
+    stats = opt.compression_stats(per_layer=True)
+    assert stats["checked_step"] == 2 * monitor.CHECK_EVERY  # the loaded counter went on
+    assert all(layer["avg_relative_error"] > 0 for layer in stats["layers"])
 
 
 def test_layer_stats_off_reports_no_layers():
