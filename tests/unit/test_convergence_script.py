@@ -351,3 +351,19 @@ def test_transformer_report_reads_the_cosine_runs(tmp_path):
     report = (tmp_path / "convergence.md").read_text()
     assert "## transformer_lm" in report and "same warm-up and cosine" in report
     assert (tmp_path / "convergence_transformer_lm.png").stat().st_size > 10_000
+
+
+def test_a_transformer_campaign_cut_before_its_schedule_ends_says_partial(tmp_path):
+    # Runs of 2 epochs whose cosine spans 8: the verdict must not read as the final one.
+    runs = []
+    plain = convergence.Config("transformer_lm", 0)
+    r16 = convergence.Config("transformer_lm", 16, start_iter=200)
+    for config, ratio in ((plain, 1.0), (r16, 6.4)):
+        record = lstm_record(config, 42, [300, 200], [1e-3, 9e-4])
+        record["example"] = "transformer_lm"
+        record["args"]["decay_epochs"] = 8
+        record["final"]["ratio"] = ratio
+        runs.append(record)
+    (target,) = convergence._targets(write_runs(tmp_path / "convergence", runs))
+    assert "**not decided yet** (within 2.0 %, >= 8x fewer bytes) after 2 epochs of the 8" in target
+    assert "its LR schedule spans (partial)" in target, target
