@@ -28,15 +28,20 @@ What `make convergence` runs (issue 14). Three parts, each a list of runs:
 Runs are ordered so that a campaign cut short still answers the main questions (seed 42
 of every configuration first). Every run writes its JSON and log under
 docs/results/convergence/; a run whose JSON is complete is skipped, so rerunning the
-same command resumes where it stopped. LSTM runs also save a checkpoint after every
-epoch (runs/convergence/, not tracked): an interrupted LSTM run goes on from its last
-epoch, and a larger ``--lm-epochs`` extends finished runs. After every run the report
-(docs/results/convergence.md) and plots are rebuilt from all JSON files there.
+same command resumes where it stopped. Language-model runs also save a checkpoint after
+every epoch (runs/convergence/, not tracked: hundreds of MB): an interrupted run goes on
+from its last epoch, and a larger ``--lm-epochs`` / ``--tf-epochs`` extends finished runs.
+Checkpoints do not leave the machine that trained; where a recorded run's checkpoint is
+missing, it trains again from epoch 1 and keeps the earlier record under ``replaced_runs``
+(the report says how closely it repeated). So a run longer than one sitting on a machine
+(a transformer run is about 100 minutes) is best run alone with ``--only``. After every
+run the report (docs/results/convergence.md) and plots are rebuilt from all JSON files there.
 
     python scripts/convergence.py                          # every part (many hours)
     python scripts/convergence.py --parts transformer      # the transformer (about 11 hours)
     python scripts/convergence.py --parts fashion,warmup   # Fashion-MNIST only
     python scripts/convergence.py --deadline 09:40         # start no run after 09:40 UTC
+    python scripts/convergence.py --parts transformer --only transformer_lm-plain  # one config
     python scripts/convergence.py --parts lstm --lm-epochs 24  # train the LSTM runs on
     python scripts/convergence.py --report-only            # rebuild the report
 """
@@ -141,6 +146,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--extra", default="", help="more flags for every run ('--max-steps 3')")
     p.add_argument("--deadline", default=None, help="HH:MM UTC: start no run after this time")
+    p.add_argument(
+        "--only",
+        default="",
+        help="run only these configurations of the plan, comma-separated keys as in the JSON "
+        "file names ('transformer_lm-plain,transformer_lm-r4-rounds2-si200')",
+    )
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "results"), help="report folder")
     p.add_argument("--rerun", action="store_true", help="rerun runs that already finished")
     p.add_argument("--report-only", action="store_true", help="only rebuild the report")
@@ -205,6 +216,13 @@ def run_plan(args):
             # --lm-epochs later, goes on from its last epoch.
             argv += ["--checkpoint", os.path.join(CHECKPOINTS, f"{name}.ckpt")]
         plan.append((name, config, seed, argv + shlex.split(args.extra)))
+    if args.only:
+        only = set(args.only.split(","))
+        unknown = only - {config.key for _, config, _, _ in plan}
+        if unknown:
+            keys = sorted({config.key for _, config, _, _ in plan})
+            raise SystemExit(f"--only {sorted(unknown)}: not in this plan; its keys: {keys}")
+        plan = [run for run in plan if run[1].key in only]
     return plan
 
 
@@ -219,7 +237,7 @@ def _past(deadline):
 def run_one(name, config, argv, args, runs_dir):
     json_path = os.path.join(runs_dir, f"{name}.json")
     log_path = os.path.join(runs_dir, f"{name}.log")
-    earlier = []
+    earlier, replaced = [], []
     if os.path.exists(json_path) and not args.rerun:
         with open(json_path) as f:
             old = json.load(f)
@@ -240,7 +258,21 @@ def run_one(name, config, argv, args, runs_dir):
         if "launch" in old and len(old["epochs"]) >= wanted:
             print(f"[convergence] {name}: already done, skipping", flush=True)
             return
-        if "launch" in old:  # finished with fewer epochs: the example goes on from its checkpoint
+        checkpoint = argv[argv.index("--checkpoint") + 1] if "--checkpoint" in argv else None
+        if "launch" in old and checkpoint and not os.path.exists(os.path.join(ROOT, checkpoint)):
+            # Checkpoints stay on the machine that trained (not in git): on another one the
+            # run cannot go on, so it trains again from epoch 1. The earlier record is kept
+            # in the new one, which also shows how closely a run reproduces.
+            print(
+                f"[convergence] {name}: {len(old['epochs'])} epochs recorded, but its "
+                f"checkpoint {checkpoint} is not on this machine; training again from epoch 1",
+                flush=True,
+            )
+            replaced = [*old.get("replaced_runs", [])]
+            replaced.append(
+                {k: old[k] for k in ("epochs", "launch", "earlier_launches") if k in old}
+            )
+        elif "launch" in old:  # finished with fewer epochs: the example goes on from its checkpoint
             earlier = [*old.get("earlier_launches", []), old["launch"]]
     command = [
         os.path.join(VENV_BIN, "horovodrun"), "-np", str(args.np), "-H", f"localhost:{args.np}",
@@ -255,7 +287,7 @@ def run_one(name, config, argv, args, runs_dir):
     load_before = os.getloadavg()
     start = time.time()
     # A run that goes on from its checkpoint keeps the earlier launches' output in its log.
-    going_on = os.path.exists(json_path) and not args.rerun
+    going_on = os.path.exists(json_path) and not args.rerun and not replaced
     with open(log_path, "a" if going_on else "w") as log:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
         log.write(f"[convergence] launched {stamp} UTC: {shown}\n")
@@ -277,6 +309,8 @@ def run_one(name, config, argv, args, runs_dir):
     }
     if record.get("resumed_after_epoch"):
         record["earlier_launches"] = earlier
+    if replaced:
+        record["replaced_runs"] = replaced
     with open(json_path, "w") as f:
         json.dump(record, f, indent=2)
     print(f"[convergence] {name}: done in {wall:.0f} s", flush=True)
@@ -396,10 +430,19 @@ def write_plots(groups, out_dir):
     return paths
 
 
-def _late_mean(records, last=3):
-    """Mean over seeds and over the last `last` epochs: less sensitive to one noisy epoch."""
-    values = [_value(r, e) for r in records for e in range(1, len(r["epochs"]) + 1)[-last:]]
+def _late_mean(records, last=3, through=None):
+    """Mean over seeds and over the last `last` epochs (up to `through`, default each run's
+    last): less sensitive to one noisy epoch."""
+    values = [
+        _value(r, e) for r in records for e in range(1, (through or len(r["epochs"])) + 1)[-last:]
+    ]
     return statistics.fmean(values)
+
+
+def _common_epoch(*groups):
+    """The last epoch every run of `groups` has: runs trained for different epochs compare
+    there, at the same point of the LR schedule."""
+    return min(len(r["epochs"]) for records in groups for r in records)
 
 
 def _paired(plain, records):
@@ -447,9 +490,13 @@ def _summary_table(example, groups):
             delta = late_delta = "—"
         else:
             same, mine = _paired(plain, records)
-            mean_same = statistics.fmean(_value(r) for r in mine)
-            delta = _delta(example, mean_same, statistics.fmean(_value(r) for r in same))
-            late_delta = _delta(example, _late_mean(mine), _late_mean(same))
+            at = _common_epoch(same, mine)
+            mean_same = statistics.fmean(_value(r, at) for r in mine)
+            delta = _delta(example, mean_same, statistics.fmean(_value(r, at) for r in same))
+            late_delta = _delta(example, _late_mean(mine, through=at), _late_mean(same, through=at))
+            if any(len(r["epochs"]) != at for r in [*same, *mine]):
+                delta += f" (epoch {at})"
+                late_delta += f" (epochs {max(1, at - 2)}-{at})"
         epochs = len(records[0]["epochs"])
         per_epoch = statistics.fmean(r["final"]["bytes_sent"] / epochs for r in records)
         ratios = [r["final"]["ratio"] for r in records]
@@ -528,7 +575,9 @@ def _targets(groups):
         if not _finite(records):
             lines.append(f"- {example}, {label}: **missed**, diverged (NaN); {seeds}.")
             continue
-        mean = statistics.fmean(_value(r) for r in mine)
+        at = _common_epoch(plain, mine)
+        plain_mean = statistics.fmean(_value(r, at) for r in plain)
+        mean = statistics.fmean(_value(r, at) for r in mine)
         if example == "fashion_mnist":
             delta, unit = mean - plain_mean, "pp"
             behind = -delta
@@ -542,6 +591,8 @@ def _targets(groups):
             both = [*plain, *mine]
             epochs = sorted({len(r["epochs"]) for r in both})
             when = f" after {'/'.join(map(str, epochs))} epochs"
+            if len(epochs) > 1:
+                when += f", compared at epoch {at}, which all have"
             planned = max(r["args"].get("decay_epochs") or 0 for r in both)
             if epochs[0] < planned:
                 # A partial campaign: the LR is still high, and the plain warm-up steps
@@ -671,6 +722,43 @@ def _per_epoch_table(example, groups):
     return lines
 
 
+def _retrained_lines(groups, example):
+    """Runs trained again from epoch 1 because their checkpoint was on another machine:
+    how closely the new run repeats the epochs the earlier one recorded."""
+    key = EXAMPLES[example][1]
+    lines = []
+    for k in _ordered(groups):
+        for r in groups[k]:
+            if r["example"] != example:
+                continue
+            for old in r.get("replaced_runs", []):
+                n = min(len(old["epochs"]), len(r["epochs"]))
+                if not n:
+                    continue
+                diffs = [
+                    100 * abs(r["epochs"][i][key] / old["epochs"][i][key] - 1) for i in range(n)
+                ]
+                worst = max(range(n), key=diffs.__getitem__)
+                same = all(r["epochs"][i][key] == old["epochs"][i][key] for i in range(n))
+                started = old["launch"].get("started_utc", "?")
+                first = (old.get("earlier_launches") or [old["launch"]])[0]
+                lines.append(
+                    f"- {_config(groups[k]).label}, seed {r['args']['seed']}: trained again "
+                    f"from epoch 1 (the earlier run, first launched "
+                    f"{first.get('started_utc', started)} UTC, had {len(old['epochs'])} epochs "
+                    f"and its checkpoint was on another machine). Over epochs 1-{n} its "
+                    f"{EXAMPLES[example][2]} "
+                    + (
+                        "is bitwise the same."
+                        if same
+                        else f"differs by at most {diffs[worst]:.2f} % (epoch {worst + 1}: "
+                        f"{_scale(example) * old['epochs'][worst][key]:.2f} then, "
+                        f"{_value(r, worst + 1):.2f} now)."
+                    )
+                )
+    return lines
+
+
 LR_NOTES = {
     "lstm_language_model": '"LR cut after epochs" is read from each run\'s record: the '
     "campaign cuts the LR by 4 at the same epochs in every run (`--lm-lr-drop-after`).",
@@ -735,6 +823,9 @@ def write_report(groups, out_dir):
                 *gap,
                 "",
             ]
+        again = _retrained_lines(mine, example)
+        if again:
+            lines += ["### Runs trained again", "", *again, ""]
         if example == "fashion_mnist":
             warm = _warmup_table(mine)
             if warm:

@@ -226,7 +226,12 @@ def test_lstm_report_says_where_validation_flattened(tmp_path):
     assert row in table, table
     assert "| 42 | 5 | 151.0 (5) | 154.02 | -0.7 % | -3.9 % | — | no |" in table, table
     (target,) = convergence._targets(groups)
-    assert "after 5/7 epochs (validation perplexity still falling" in target, target
+    # Compared at epoch 5, the last both have: +3.4 %, not rank 4's epoch 5 vs plain's 7.
+    assert (
+        "after 5/7 epochs, compared at epoch 5, which all have (validation perplexity still"
+        " falling" in target
+    ), target
+    assert "+3.42 % vs plain" in target, target
     convergence.write_report(groups, str(tmp_path))
     assert "### Did validation perplexity flatten?" in (tmp_path / "convergence.md").read_text()
 
@@ -367,3 +372,87 @@ def test_a_transformer_campaign_cut_before_its_schedule_ends_says_partial(tmp_pa
     (target,) = convergence._targets(write_runs(tmp_path / "convergence", runs))
     assert "**not decided yet** (within 2.0 %, >= 8x fewer bytes) after 2 epochs of the 8" in target
     assert "its LR schedule spans (partial)" in target, target
+
+
+def test_only_runs_the_named_configurations_and_refuses_unknown_keys():
+    args = convergence.parse_args(["--parts", "transformer", "--only", "transformer_lm-plain"])
+    plan = convergence.run_plan(args)
+    assert [name for name, *_ in plan] == ["transformer_lm-plain-s42", "transformer_lm-plain-s43"]
+    args = convergence.parse_args(["--parts", "transformer", "--only", "transformer_lm-r8"])
+    with pytest.raises(SystemExit, match=r"--only \['transformer_lm-r8'\]: not in this plan"):
+        convergence.run_plan(args)
+
+
+def test_a_run_whose_checkpoint_is_gone_trains_again_and_keeps_the_earlier_record(
+    tmp_path, monkeypatch, capsys
+):
+    # Checkpoints are not in git: on a fresh machine a 2-epoch run asked for 3 cannot go on.
+    config = convergence.Config("transformer_lm", 0)
+    args = convergence.parse_args(["--out", str(tmp_path)])
+    runs_dir = tmp_path / "convergence"
+    earlier = lstm_record(config, 42, [150.0, 120.0], [1e-3, 5e-4])
+    earlier["example"] = "transformer_lm"
+    earlier["launch"]["started_utc"] = "2026-11-30 10:00:00"
+    write_runs(runs_dir, [earlier])
+    (runs_dir / "transformer_lm-plain-s42.log").write_text("the earlier run's output\n")
+    launched = []
+
+    def example(command, **kwargs):
+        launched.append(command)
+        # A run from epoch 1: no resumed_after_epoch; epoch 2 comes out 1 % higher.
+        record = {k: v for k, v in earlier.items() if k not in ("launch", "config")}
+        record["epochs"] = [dict(e) for e in earlier["epochs"]] + [dict(earlier["epochs"][-1])]
+        record["epochs"][1]["test_perplexity"] *= 1.01
+        json_path = os.path.join(kwargs["cwd"], command[command.index("--json") + 1])
+        with open(json_path, "w") as f:
+            json.dump(record, f)
+        kwargs["stdout"].write("epoch 1 again\n")
+        return convergence.subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(convergence.subprocess, "run", example)
+    missing = str(tmp_path / "no-such.ckpt")
+    argv = ["--epochs", "3", "--checkpoint", missing]
+    convergence.run_one("transformer_lm-plain-s42", config, argv, args, str(runs_dir))
+    assert len(launched) == 1
+    assert "2 epochs recorded, but its checkpoint" in capsys.readouterr().out
+    with open(runs_dir / "transformer_lm-plain-s42.json") as f:
+        record = json.load(f)
+    assert "earlier_launches" not in record, "the earlier launch trained other weights"
+    (replaced,) = record["replaced_runs"]
+    assert replaced["epochs"] == earlier["epochs"] and replaced["launch"] == earlier["launch"]
+    log = (runs_dir / "transformer_lm-plain-s42.log").read_text()
+    assert "the earlier run" not in log and log.endswith("epoch 1 again\n")
+    groups = convergence.load_runs(str(runs_dir))
+    (line,) = convergence._retrained_lines(groups, "transformer_lm")
+    assert "first launched 2026-11-30 10:00:00 UTC, had 2 epochs" in line, line
+    assert "differs by at most 1.00 % (epoch 2: 122.40 then, 123.62 now)" in line, line
+    # With the checkpoint there, the same call goes on from it instead.
+    open(missing, "w").close()
+    convergence.run_one(
+        "transformer_lm-plain-s42",
+        config,
+        ["--epochs", "4", "--checkpoint", missing],
+        args,
+        str(runs_dir),
+    )
+    with open(runs_dir / "transformer_lm-plain-s42.json") as f:
+        assert "replaced_runs" not in json.load(f)
+
+
+def test_runs_of_different_lengths_compare_at_the_epoch_all_have(tmp_path):
+    # Plain trained again to 4 epochs; rank 4 still has the 2 of an earlier session.
+    plain = convergence.Config("transformer_lm", 0)
+    r4 = convergence.Config("transformer_lm", 4, start_iter=200)
+    runs = []
+    for config, valid in ((plain, [300, 200, 100, 90]), (r4, [306, 204])):
+        record = lstm_record(config, 42, valid, [1e-3] * len(valid))
+        record["example"] = "transformer_lm"
+        record["args"]["decay_epochs"] = 4
+        runs.append(record)
+    groups = write_runs(tmp_path / "convergence", runs)
+    (target,) = convergence._targets(groups)
+    # +2.0 % at epoch 2, not +127 % against plain's epoch 4.
+    assert "after 2/4 epochs, compared at epoch 2, which all have" in target, target
+    assert "+2.00 % vs plain" in target and "**not decided yet**" in target, target
+    summary = "\n".join(convergence._summary_table("transformer_lm", groups))
+    assert "| +2.0 % (epoch 2) |" in summary and "| +2.0 % (epochs 1-2) |" in summary, summary
