@@ -591,14 +591,14 @@ def _targets(groups):
             both = [*plain, *mine]
             epochs = sorted({len(r["epochs"]) for r in both})
             when = f" after {'/'.join(map(str, epochs))} epochs"
-            if len(epochs) > 1:
-                when += f", compared at epoch {at}, which all have"
             planned = max(r["args"].get("decay_epochs") or 0 for r in both)
             if epochs[0] < planned:
                 # A partial campaign: the LR is still high, and the plain warm-up steps
                 # weigh more in the bytes than they will over the whole schedule.
-                when += f" of the {planned} its LR schedule spans (partial)"
+                when += f" (the LR schedule spans {planned}: partial)"
                 verdict = "**not decided yet**"
+            if len(epochs) > 1:
+                when += f", compared at epoch {at}, which all runs have"
             if not all(map(_flattened, both)):
                 when += " (validation perplexity still falling, so not the flattened result)"
         lines.append(

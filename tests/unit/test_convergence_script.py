@@ -228,7 +228,7 @@ def test_lstm_report_says_where_validation_flattened(tmp_path):
     (target,) = convergence._targets(groups)
     # Compared at epoch 5, the last both have: +3.4 %, not rank 4's epoch 5 vs plain's 7.
     assert (
-        "after 5/7 epochs, compared at epoch 5, which all have (validation perplexity still"
+        "after 5/7 epochs, compared at epoch 5, which all runs have (validation perplexity still"
         " falling" in target
     ), target
     assert "+3.42 % vs plain" in target, target
@@ -370,8 +370,10 @@ def test_a_transformer_campaign_cut_before_its_schedule_ends_says_partial(tmp_pa
         record["final"]["ratio"] = ratio
         runs.append(record)
     (target,) = convergence._targets(write_runs(tmp_path / "convergence", runs))
-    assert "**not decided yet** (within 2.0 %, >= 8x fewer bytes) after 2 epochs of the 8" in target
-    assert "its LR schedule spans (partial)" in target, target
+    assert (
+        "**not decided yet** (within 2.0 %, >= 8x fewer bytes) after 2 epochs"
+        " (the LR schedule spans 8: partial)" in target
+    ), target
 
 
 def test_only_runs_the_named_configurations_and_refuses_unknown_keys():
@@ -452,7 +454,10 @@ def test_runs_of_different_lengths_compare_at_the_epoch_all_have(tmp_path):
     groups = write_runs(tmp_path / "convergence", runs)
     (target,) = convergence._targets(groups)
     # +2.0 % at epoch 2, not +127 % against plain's epoch 4.
-    assert "after 2/4 epochs, compared at epoch 2, which all have" in target, target
+    assert (
+        "after 2/4 epochs (the LR schedule spans 4: partial), compared at epoch 2,"
+        " which all runs have" in target
+    ), target
     assert "+2.00 % vs plain" in target and "**not decided yet**" in target, target
     summary = "\n".join(convergence._summary_table("transformer_lm", groups))
     assert "| +2.0 % (epoch 2) |" in summary and "| +2.0 % (epochs 1-2) |" in summary, summary
