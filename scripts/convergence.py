@@ -33,8 +33,10 @@ every epoch (runs/convergence/, not tracked: hundreds of MB): an interrupted run
 from its last epoch, and a larger ``--lm-epochs`` / ``--tf-epochs`` extends finished runs.
 Checkpoints do not leave the machine that trained; where a recorded run's checkpoint is
 missing, it trains again from epoch 1 and keeps the earlier record under ``replaced_runs``
-(the report says how closely it repeated). So a run longer than one sitting on a machine
-(a transformer run is about 100 minutes) is best run alone with ``--only``. After every
+(the report says how closely it repeated, and on which machines: each run's record keeps
+its CPU, since runs on another CPU are not bitwise alike nor their times comparable). So a
+run longer than one sitting on a machine (a transformer run is about 100 minutes) is best
+run alone with ``--only``. After every
 run the report (docs/results/convergence.md) and plots are rebuilt from all JSON files there.
 
     python scripts/convergence.py                          # every part (many hours)
@@ -84,6 +86,29 @@ TRANSFORMER_WARMUP = 200
 TRANSFORMER_RANKS = (4, 16)
 LANGUAGE_MODELS = ("lstm_language_model", "transformer_lm")
 CHECKPOINTS = os.path.join("runs", "convergence")  # from ROOT; ignored by git (tens of MB)
+
+
+def machine() -> str:
+    """This machine's processor and cores, as each run's record keeps them.
+
+    Sessions here get machines of one kind but not always the same CPU: a run repeated on
+    another CPU does not repeat bitwise (other BLAS kernels, other summation order), and
+    epoch times compare only between runs of one CPU.
+    """
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor is enough: all are alike here
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return f"{name}, {os.cpu_count()} cores"
 
 
 @dataclass(frozen=True)
@@ -306,6 +331,7 @@ def run_one(name, config, argv, args, runs_dir):
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),
         "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(start)),
+        "machine": machine(),
     }
     if record.get("resumed_after_epoch"):
         record["earlier_launches"] = earlier
@@ -755,7 +781,32 @@ def _retrained_lines(groups, example):
                         f"{_scale(example) * old['epochs'][worst][key]:.2f} then, "
                         f"{_value(r, worst + 1):.2f} now)."
                     )
+                    + _machines_then_and_now(old["launch"], r["launch"])
                 )
+    return lines
+
+
+def _machines_then_and_now(then, now):
+    """' Then on A, now on B.' where the two launches' machines differ (or one is unknown)."""
+    unknown = "a machine not recorded"
+    a, b = then.get("machine"), now.get("machine")
+    return "" if a == b else f" Then on {a or unknown}, now on {b or unknown}."
+
+
+def _machines_lines(groups, example):
+    """Which machine each run trained on, where the runs of `example` were not all on one."""
+    runs = [r for k in _ordered(groups) for r in groups[k] if r["example"] == example]
+    where = [r["launch"].get("machine") or "not recorded" for r in runs]
+    if len(set(where)) < 2:
+        return []
+    lines = [
+        "These runs trained on more than one machine. Epoch times compare only runs of one",
+        "machine, and a run repeated on another CPU does not repeat bitwise (other kernels,",
+        "other summation order): read such differences as noise, like another seed's.",
+        "",
+    ]
+    for r, m in zip(runs, where):
+        lines.append(f"- {r['config']['label']}, seed {r['args']['seed']}: {m}")
     return lines
 
 
@@ -782,8 +833,9 @@ def write_report(groups, out_dir):
         "float32). Times are the median training time of one epoch (evaluation excluded).",
         '"vs plain" compares a configuration with plain Horovod over the seeds both have.',
         "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}.",
+        f"Report written on: {machine()}, Python {platform.python_version()}. Each run's",
+        "record keeps its machine (`launch.machine`; runs before 2026-12-01 20:00 UTC have",
+        "none); a section lists them where runs of one model trained on different machines.",
         "",
     ]
     notes = os.path.join(out_dir, "convergence-notes.md")
@@ -826,6 +878,9 @@ def write_report(groups, out_dir):
         again = _retrained_lines(mine, example)
         if again:
             lines += ["### Runs trained again", "", *again, ""]
+        machines = _machines_lines(mine, example)
+        if machines:
+            lines += ["### Machines", "", *machines, ""]
         if example == "fashion_mnist":
             warm = _warmup_table(mine)
             if warm:

@@ -461,3 +461,53 @@ def test_runs_of_different_lengths_compare_at_the_epoch_all_have(tmp_path):
     assert "+2.00 % vs plain" in target and "**not decided yet**" in target, target
     summary = "\n".join(convergence._summary_table("transformer_lm", groups))
     assert "| +2.0 % (epoch 2) |" in summary and "| +2.0 % (epochs 1-2) |" in summary, summary
+
+
+def test_a_run_records_its_machine_and_the_report_names_machines_where_they_differ(
+    tmp_path, monkeypatch, capsys
+):
+    # Sessions get machines of one kind with different CPUs: a rerun elsewhere is not
+    # bitwise alike and its epoch times are not comparable, so the report must say where.
+    config = convergence.Config("transformer_lm", 16, start_iter=200)
+    args = convergence.parse_args(["--out", str(tmp_path)])
+    runs_dir = tmp_path / "convergence"
+    earlier = lstm_record(config, 42, [150.0, 120.0], [1e-3, 5e-4])
+    earlier["example"] = "transformer_lm"
+    assert "machine" not in earlier["launch"]  # as the records of before the field
+    write_runs(runs_dir, [earlier])
+    monkeypatch.setattr(convergence, "machine", lambda: "Other CPU (family 6, model 207), 2 cores")
+
+    def example(command, **kwargs):
+        record = {k: v for k, v in earlier.items() if k not in ("launch", "config")}
+        record["epochs"] = [dict(e) for e in [*earlier["epochs"], earlier["epochs"][-1]]]
+        record["epochs"][0]["test_perplexity"] *= 0.996
+        with open(os.path.join(kwargs["cwd"], command[command.index("--json") + 1]), "w") as f:
+            json.dump(record, f)
+        return convergence.subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(convergence.subprocess, "run", example)
+    argv = ["--epochs", "3", "--checkpoint", str(tmp_path / "gone.ckpt")]
+    name = "transformer_lm-r16-rounds2-si200-s42"
+    convergence.run_one(name, config, argv, args, str(runs_dir))
+    with open(runs_dir / f"{name}.json") as f:
+        assert json.load(f)["launch"]["machine"] == "Other CPU (family 6, model 207), 2 cores"
+    plain = lstm_record(convergence.Config("transformer_lm", 0), 42, [149.0, 121.0], [1, 1])
+    plain["example"] = "transformer_lm"
+    write_runs(runs_dir, [plain])
+    groups = convergence.load_runs(str(runs_dir))
+    (line,) = convergence._retrained_lines(groups, "transformer_lm")
+    assert line.endswith(
+        "Then on a machine not recorded, now on Other CPU (family 6, model 207), 2 cores."
+    ), line
+    machines = "\n".join(convergence._machines_lines(groups, "transformer_lm"))
+    assert "- plain Horovod, seed 42: not recorded" in machines, machines
+    assert "- rank 16, rounds=2, start_iter 200, seed 42: Other CPU (family 6" in machines
+    # Runs all on one machine need no such section.
+    plain["launch"]["machine"] = "Other CPU (family 6, model 207), 2 cores"
+    write_runs(runs_dir, [plain])
+    assert convergence._machines_lines(convergence.load_runs(str(runs_dir)), "transformer_lm") == []
+
+
+def test_machine_names_this_processor_and_its_cores():
+    text = convergence.machine()
+    assert text.endswith(f", {os.cpu_count()} cores") and len(text) > len(" cores") + 3, text
