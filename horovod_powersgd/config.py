@@ -26,8 +26,9 @@ class PowerSGDConfig:
       * ``rank``: 1-4 is enough for CNNs (the paper trains ResNet-18 on
         CIFAR-10 at rank 2 to full-SGD accuracy); the LSTM language model
         matched plain Horovod at 4 (docs/results/convergence.md); the AdamW
-        transformer example was ahead of plain at 16 and within 1.6 % at 4
-        after 6 of 8 epochs (one seed). Bytes per step grow linearly with rank.
+        transformer example, after its 8-epoch cosine, was level with plain at
+        4 (-0.7 %) and ahead at 16 (-6.7 %; one seed). Bytes per step grow
+        linearly with rank.
       * ``start_iter``: steps of uncompressed all-reduce before compression
         starts. 0 (the default) keeps every step compressed; one plain step
         sends as much as ~100 compressed ones (rank 2, the examples' CNN).
