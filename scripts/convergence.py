@@ -36,8 +36,8 @@ missing, it trains again from epoch 1 and keeps the earlier record under ``repla
 (the report says how closely it repeated, and on which machines: each run's record keeps
 its CPU, since runs on another CPU are not bitwise alike nor their times comparable). So a
 run longer than one sitting on a machine (a transformer run is about 100 minutes) is best
-run alone with ``--only``. After every
-run the report (docs/results/convergence.md) and plots are rebuilt from all JSON files there.
+run alone with ``--only``. After every run the report (docs/results/convergence.md) and
+plots are rebuilt from all JSON files there.
 
     python scripts/convergence.py                          # every part (many hours)
     python scripts/convergence.py --parts transformer      # the transformer (about 11 hours)
@@ -834,8 +834,8 @@ def write_report(groups, out_dir):
         '"vs plain" compares a configuration with plain Horovod over the seeds both have.',
         "",
         f"Report written on: {machine()}, Python {platform.python_version()}. Each run's",
-        "record keeps its machine (`launch.machine`; runs before 2026-12-01 20:00 UTC have",
-        "none); a section lists them where runs of one model trained on different machines.",
+        "record keeps its machine (`launch.machine`; older records have none); a section",
+        "lists them where runs of one model trained on different machines.",
         "",
     ]
     notes = os.path.join(out_dir, "convergence-notes.md")
