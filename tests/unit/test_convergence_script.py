@@ -508,6 +508,28 @@ def test_a_run_records_its_machine_and_the_report_names_machines_where_they_diff
     assert convergence._machines_lines(convergence.load_runs(str(runs_dir)), "transformer_lm") == []
 
 
+def test_epoch_times_are_not_one_median_over_different_machines(tmp_path):
+    # Plain seed 42 trained at 649 s an epoch on one CPU, seed 43 at 806 s on another:
+    # one median of both (715 s) is neither machine's time.
+    config = convergence.Config("transformer_lm", 0)
+    runs = []
+    for seed, seconds, where in ((42, 650.0, None), (43, 800.0, "CPU B"), (44, 820.0, "CPU B")):
+        r = lstm_record(config, seed, [150.0, 120.0, 110.0], [1e-3, 5e-4, 1e-4])
+        r["example"] = "transformer_lm"
+        for e in r["epochs"]:
+            e["train_time_s"] = seconds
+        if where:
+            r["launch"]["machine"] = where
+        runs.append(r)
+    groups = write_runs(tmp_path / "convergence", runs)
+    (row,) = convergence._summary_table("transformer_lm", groups)[2:]
+    assert row.endswith("| 650 s / 810 s (2 machines) |"), row
+    # All on one machine: the one median, as before.
+    groups = write_runs(tmp_path / "one", runs[1:])
+    (row,) = convergence._summary_table("transformer_lm", groups)[2:]
+    assert row.endswith("| 810 s |"), row
+
+
 def test_machine_names_this_processor_and_its_cores():
     text = convergence.machine()
     assert text.endswith(f", {os.cpu_count()} cores") and len(text) > len(" cores") + 3, text
