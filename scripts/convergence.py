@@ -360,6 +360,41 @@ def load_runs(runs_dir):
     return groups
 
 
+def _current(groups):
+    """(groups without the runs that are behind, [the runs held back]).
+
+    A run is behind while it has fewer epochs than another seed of its configuration (a
+    campaign that trains one seed at a time, cut between sittings). Averaging its last
+    epoch with the other seeds' would mix two points of the LR schedule, so the tables and
+    curves that average over seeds leave it out until it catches up; the per-run tables
+    still show it.
+    """
+    kept, behind = {}, []
+    for key, records in groups.items():
+        most = max(len(r["epochs"]) for r in records)
+        kept[key] = [r for r in records if len(r["epochs"]) == most]
+        behind += [r for r in records if len(r["epochs"]) < most]
+    return kept, behind
+
+
+def _behind_lines(groups, behind, example=None):
+    """One line naming the runs held back (of `example`, or all), or none."""
+    mine = [r for r in behind if example is None or r["example"] == example]
+    if not mine:
+        return []
+    runs = "; ".join(
+        f"{r['config']['label']} seed {r['args']['seed']}: {len(r['epochs'])} of "
+        f"{len(groups[r['config']['key']][0]['epochs'])} epochs"
+        + (f" ({r['example']})" if example is None else "")
+        for r in mine
+    )
+    return [
+        f"Still training, so left out of the verdicts, summary, gap table and curves until "
+        f"they have as many epochs as their configuration's other seeds: {runs}. Their epochs "
+        "so far are in the per-run tables."
+    ]
+
+
 def _config(records):
     c = records[0]["config"]
     return Config(c["example"], c["rank"], c["rounds"], c["start_iter"])
@@ -684,6 +719,11 @@ def _lr_cuts(record):
     ]
 
 
+def _percent(change):
+    """'+1.2 %', or '—' where there are too few epochs to tell."""
+    return f"{change:+.1f} %" if math.isfinite(change) else "—"
+
+
 def _flattening_table(groups, example="lstm_language_model"):
     """Per run of a language model: where validation perplexity stopped improving, LR cuts.
 
@@ -709,7 +749,7 @@ def _flattening_table(groups, example="lstm_language_model"):
             lines.append(
                 f"| {_config(groups[key]).label} | {r['args']['seed']} | {len(epochs)} "
                 f"| {valid[best]:.1f} ({epochs[best]['epoch']}) | {_value(r, best + 1):.2f} "
-                f"| {_last_change(r):+.1f} % | {_recent_change(r):+.1f} % "
+                f"| {_percent(_last_change(r))} | {_percent(_recent_change(r))} "
                 f"| {', '.join(map(str, cuts)) or '—'} | {'yes' if _flattened(r) else 'no'} |"
             )
     return lines if len(lines) > 2 else []
@@ -835,6 +875,7 @@ LR_NOTES = {
 
 
 def write_report(groups, out_dir):
+    every, (groups, behind) = groups, _current(groups)
     plots = write_plots(groups, out_dir)
     lines = [
         "# Convergence: plain Horovod vs PowerSGD, both schedules, several seeds",
@@ -862,14 +903,17 @@ def write_report(groups, out_dir):
     targets = _targets(groups)
     if targets:
         lines += ["## Targets (issues 14 and 26), from the runs below", "", *targets, ""]
+        lines += [*_behind_lines(groups, behind), ""] if behind else []
     for example in EXAMPLES:
         lines += [f"## {example}", ""]
         mine = {k: g for k, g in groups.items() if g[0]["example"] == example}
+        runs = {k: g for k, g in every.items() if g[0]["example"] == example}
         if not mine:
             lines += ["Not run yet.", ""]
             continue
-        lines += [*_summary_table(example, mine), ""]
-        flat = _flattening_table(mine, example) if example in LANGUAGE_MODELS else []
+        held = _behind_lines(groups, behind, example)
+        lines += [*_summary_table(example, mine), "", *held, *[""] * bool(held)]
+        flat = _flattening_table(runs, example) if example in LANGUAGE_MODELS else []
         if flat:
             lines += [
                 "### Did validation perplexity flatten?",
@@ -892,10 +936,10 @@ def write_report(groups, out_dir):
                 *gap,
                 "",
             ]
-        again = _retrained_lines(mine, example)
+        again = _retrained_lines(runs, example)
         if again:
             lines += ["### Runs trained again", "", *again, ""]
-        machines = _machines_lines(mine, example)
+        machines = _machines_lines(runs, example)
         if machines:
             lines += ["### Machines", "", *machines, ""]
         if example == "fashion_mnist":
@@ -913,11 +957,11 @@ def write_report(groups, out_dir):
         if example in plots:
             lines += [f"![{example}]({plots[example]})", ""]
         lines += ["Commands (from the repository root), one per run:", "", "```"]
-        for k in sorted(mine):
-            for r in mine[k]:
+        for k in sorted(runs):
+            for r in runs[k]:
                 lines += [x["command"] for x in [*r.get("earlier_launches", []), r["launch"]]]
         lines += ["```", "", "<details><summary>Every epoch of every run</summary>", ""]
-        lines += _per_epoch_table(example, mine)
+        lines += _per_epoch_table(example, runs)
         lines += ["", "</details>", ""]
     with open(os.path.join(out_dir, "convergence.md"), "w") as f:
         f.write("\n".join(lines))
