@@ -911,8 +911,9 @@ def write_report(groups, out_dir):
         if not mine:
             lines += ["Not run yet.", ""]
             continue
+        lines += [*_summary_table(example, mine), ""]
         held = _behind_lines(groups, behind, example)
-        lines += [*_summary_table(example, mine), "", *held, *[""] * bool(held)]
+        lines += [*held, ""] if held else []
         flat = _flattening_table(runs, example) if example in LANGUAGE_MODELS else []
         if flat:
             lines += [
