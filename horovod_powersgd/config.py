@@ -27,7 +27,7 @@ class PowerSGDConfig:
         CIFAR-10 at rank 2 to full-SGD accuracy); the LSTM language model
         matched plain Horovod at 4 (docs/results/convergence.md); the AdamW
         transformer example, after its 8-epoch cosine, was level with plain at
-        4 (-0.7 %) and ahead at 16 (-6.7 %; one seed). Bytes per step grow
+        4 (-1.2 %) and ahead at 16 (-6.8 %; means of 2 seeds). Bytes per step grow
         linearly with rank.
       * ``start_iter``: steps of uncompressed all-reduce before compression
         starts. 0 (the default) keeps every step compressed; one plain step

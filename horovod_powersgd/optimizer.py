@@ -725,7 +725,7 @@ def DistributedOptimizer(
       * rank: 1-4 for CNNs (rank 2 matches SGD on ResNet-18/CIFAR-10 in the
         paper), 4 for the LSTM language model (measured here: within 0.2 % of
         plain Horovod's perplexity); 4-16 for the AdamW transformer example
-        (after 8 epochs: 4 level with plain, -0.7 %; 16 ahead, -6.7 %; one seed).
+        (after 8 epochs, means of 2 seeds: 4 level with plain, -1.2 %; 16 ahead, -6.8 %).
       * rounds: 2 (default) is the paper's step. 1 sends one factor per step
         and nothing after backward, but half a power iteration per step tracks
         the gradient worse: it needs a higher rank or a smaller learning rate
