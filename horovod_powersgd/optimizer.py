@@ -965,13 +965,22 @@ def _state_digest(step: int, shared: dict) -> list[int]:
         if isinstance(value, dict):
             for name in sorted(value):
                 h.update(name.encode())
-                h.update(value[name].detach().cpu().contiguous().view(torch.uint8).numpy())
+                h.update(_raw_bytes(value[name]))
         elif isinstance(value, list):
             for tensor in value:
-                h.update(tensor.cpu().contiguous().view(torch.uint8).numpy())
+                h.update(_raw_bytes(tensor))
         else:
             h.update(repr(value).encode())
     return [int.from_bytes(h.digest()[i : i + 8], "little", signed=True) for i in (0, 8, 16, 24)]
+
+
+def _raw_bytes(tensor: torch.Tensor):
+    """The bytes of `tensor`'s elements, in order, as a numpy array (any dtype, any strides).
+
+    Flattened first: a view with a size-1 dimension (a rank-1 Q memory, m x 1) is
+    "contiguous" with a last stride > 1, which a byte view refuses.
+    """
+    return tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy()
 
 
 def _allgather_bytes(blob: bytes, name: str, process_set) -> list[bytes]:
