@@ -37,12 +37,17 @@ test-parallel: test-mpi test-gloo
 test-launch:
 	$(RUN_CAP) $(PY) -m pytest tests/launch -p no:cacheprovider
 
+# The process-set tests once more with 3 ranks: a set without global rank 0 of 2 ranks.
 test-mpi:
 	$(RUN_CAP) $(MPIRUN) $(PY) -m pytest tests/parallel -p no:cacheprovider
+	$(RUN_CAP) $(subst -np $(NP) ,-np 3 ,$(MPIRUN)) $(PY) -m pytest tests/parallel/test_process_sets.py \
+		-p no:cacheprovider
 
 test-gloo:
 	$(RUN_CAP) $(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo \
 		$(PY) -m pytest tests/parallel -p no:cacheprovider
+	$(RUN_CAP) $(VENV)/bin/horovodrun -np 3 -H localhost:3 --gloo \
+		$(PY) -m pytest tests/parallel/test_process_sets.py -p no:cacheprovider
 
 lint:
 	$(VENV)/bin/ruff check .

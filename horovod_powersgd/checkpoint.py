@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from .optimizer import _STATE_KEY, allgather_object, broadcast_object
+from .optimizer import _STATE_KEY, Collective
 
 # What torch.load(weights_only=True) reads back, matched by exact type: a
 # subclass (numpy.float64 is a float, a namedtuple a tuple) pickles as its own
@@ -64,13 +64,19 @@ def save_checkpoint(path: str, model: torch.nn.Module, optimizer, **extra) -> No
             anything is written.
         OSError: a rank could not write its file; raised on every rank, and
             the previous checkpoint is kept.
+        TimeoutError: the other ranks did not call it within
+            HOROVOD_POWERSGD_CHECKPOINT_TIMEOUT seconds (default 300; 0: no
+            limit), as when it is called under `if hvd.rank() == 0:`. The
+            message says what to call instead; once this rank's process ends,
+            Horovod ends the others' collectives with an error too.
 
     Example:
         >>> horovod_powersgd.save_checkpoint("ckpt.pt", model, opt, epoch=epoch)
         >>> extra = horovod_powersgd.load_checkpoint("ckpt.pt", model, opt)  # on resume
         >>> epoch = extra["epoch"]
     """
-    process_set = _process_set(optimizer, "save_checkpoint")
+    comm = _collective(optimizer, "save_checkpoint")
+    process_set = comm.process_set
     rank, size = process_set.rank(), process_set.size()
     name = f"powersgd.checkpoint.{process_set.process_set_id}.save"
     try:
@@ -83,19 +89,14 @@ def save_checkpoint(path: str, model: torch.nn.Module, optimizer, **extra) -> No
             "tensors, numbers, strings, bools, None and lists/tuples/dicts of them (save an "
             "object's state_dict(), convert numpy scalars with float())"
         )
-    _agree(problem, "save_checkpoint", f"{name}.extra", process_set)
+    _agree(problem, f"{name}.extra", comm)
 
-    checkpoint_id = broadcast_object(uuid.uuid4().hex[:12], 0, f"{name}.id", process_set)
+    checkpoint_id = comm.broadcast_object(uuid.uuid4().hex[:12], f"{name}.id")
     state = optimizer.state_dict()
     ours = state.pop(_STATE_KEY)
     checkpoint = {"id": checkpoint_id, "step": ours["step"], "world_size": size}
     own = {"checkpoint": checkpoint, "rank": rank, _STATE_KEY: ours}
-    _agree(
-        _try_save(own, _rank_file(path, checkpoint_id, rank, size)),
-        "save_checkpoint",
-        f"{name}.ranks",
-        process_set,
-    )
+    _agree(_try_save(own, _rank_file(path, checkpoint_id, rank, size)), f"{name}.ranks", comm)
     # Only now, with every rank file in place, may the main file point to them.
     # Its optimizer state keeps the shared PowerSGD state (step counter, Q
     # memory, RNG; equal on every rank), so that Horovod's usual resume from it
@@ -109,7 +110,7 @@ def save_checkpoint(path: str, model: torch.nn.Module, optimizer, **extra) -> No
         "optimizer": state,
         "extra": extra,
     }
-    _agree(_try_save(main, path) if rank == 0 else None, "save_checkpoint", name, process_set)
+    _agree(_try_save(main, path) if rank == 0 else None, name, comm)
     _remove_other_rank_files(path, checkpoint_id)
 
 
@@ -144,12 +145,14 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer, map_location=N
     Raises:
         FileNotFoundError: `path`, or every rank file of its checkpoint, is missing.
         ValueError: a file cannot be read safely, or does not fit the model.
+        TimeoutError: the other ranks did not call it in time (see `save_checkpoint`).
 
     Example:
         >>> extra = horovod_powersgd.load_checkpoint("ckpt.pt", model, opt)
         >>> start_epoch = extra["epoch"] + 1
     """
-    process_set = _process_set(optimizer, "load_checkpoint")
+    comm = _collective(optimizer, "load_checkpoint")
+    process_set = comm.process_set
     rank, size = process_set.rank(), process_set.size()
     if map_location is None:
         map_location = next(model.parameters()).device
@@ -163,10 +166,10 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer, map_location=N
     except Exception as e:  # any failure must reach the other ranks, not leave them waiting
         problem = ValueError(str(e))
     name = f"powersgd.checkpoint.{process_set.process_set_id}.load"
-    _agree(problem, "load_checkpoint", name, process_set)
+    _agree(problem, name, comm)
     # Every rank warns alike about what any rank reset: a warning on one rank
     # only would, under -W error, raise there and leave the others waiting.
-    notes = [n for n in allgather_object(note, f"{name}.notes", process_set) if n]
+    notes = [n for n in comm.allgather_object(note, f"{name}.notes") if n]
 
     # Optimizer first: it validates before changing anything, and the model
     # (checked above) cannot fail after it.
@@ -280,24 +283,48 @@ def _not_loadable(value, where: str) -> str | None:
     return None
 
 
-def _process_set(optimizer, what: str):
+# How long save_checkpoint / load_checkpoint wait for the other ranks in one collective.
+TIMEOUT_ENV = "HOROVOD_POWERSGD_CHECKPOINT_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def _collective(optimizer, what: str) -> Collective:
+    """The collectives of `what` over the optimizer's process set, with their deadline."""
     process_set = optimizer.process_set
     if not process_set.included():
         # The ranks of the set would wait for it in collectives it cannot join.
         raise ValueError(
             f"{what}: this rank is not in the optimizer's process set; call it on its ranks only"
         )
-    return process_set
+    raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
+    try:
+        timeout = float(raw)
+    except ValueError:
+        timeout = -1.0
+    if not timeout >= 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds >= 0 (0: none), got {raw!r}")
+    # A user following Horovod's habit of saving under `if hvd.rank() == 0:` would
+    # otherwise wait for ever in the first collective, and the others in their next one.
+    hint = (
+        " (not under `if hvd.rank() == 0:`: each rank saves and loads its own error "
+        "buffers). For a rank-0 file, as Horovod's examples write, torch.save "
+        "opt.state_dict() on rank 0, and resume with opt.load_state_dict on rank 0 and "
+        "hvd.broadcast_optimizer_state (every rank's error buffers then start at zero). "
+        f"If the other ranks are only slower, set {TIMEOUT_ENV} (seconds, 0: no limit; "
+        f"now {timeout:g})."
+    )
+    return Collective(what, process_set, timeout or None, hint)
 
 
-def _agree(problem: Exception | None, what: str, name: str, process_set) -> None:
+def _agree(problem: Exception | None, name: str, comm: Collective) -> None:
     """Raise on every rank if `problem` is set on any rank, naming the ranks and causes.
 
     One collective that every rank reaches, whatever happened before it, so
     no rank is left waiting for one that failed.
     """
+    what = comm.what
     mine = None if problem is None else (type(problem), str(problem))
-    problems = allgather_object(mine, name, process_set)
+    problems = comm.allgather_object(mine, name)
     failed = collections.defaultdict(list)  # (type, message) -> ranks
     for rank, found in enumerate(problems):
         if found is not None:

@@ -1,37 +1,72 @@
-"""Ranks whose parameters drift apart: found by a checksum every N steps, repaired from rank 0.
+"""Ranks whose parameters drift apart: found by a fingerprint every N steps, repaired.
 
 With plain Horovod every rank applies the same all-reduced gradient, so the
 parameters stay bitwise identical. With PowerSGD each rank rebuilds the
 gradient P̂·Q_avgᵀ itself (and orthogonalises P itself, with rounds=2), and
 a matrix product's last bits depend on the processor, the BLAS kernel and the
 number of threads. Ranks that differ in any of these drift apart by rounding
-errors that compound (issue 23: 7.5e-9 after 15 steps with 1 thread on one
-rank and 2 on the other).
+errors that compound (7.5e-9 after 15 steps with 1 thread on one rank and 2 on
+the other: docs/reliability.md).
 
-No Horovod here: the optimizer hands in its collectives, like the schedule.
+No Horovod here: the optimizer hands in its collectives, like the reducer.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
 import torch
 
+# A tensor of more than this many 32-bit words is folded to the sums of its
+# rows and of its columns when viewed as (rows, _COLUMNS); smaller ones are
+# fingerprinted word for word.
+_COLUMNS = 4096
 
-def checksum(tensor: torch.Tensor) -> torch.Tensor:
-    """A 0-d int32 tensor on `tensor`'s device: the sum of its bit patterns, modulo 2^32.
 
-    The bits are read as 32-bit integers (16-bit ones where the size is not a
-    multiple of 4 bytes) and summed in that width, which wraps around: integer
-    addition modulo 2^32 is exact in any order, so every rank gets the same sum
-    for the same bits, and any single changed element changes it. (Summing in
-    the integers' own width is also what keeps it fast: a widening integer sum
-    is not vectorised and takes about 100 times longer on the CPU.)
-    """
+def _words(tensor: torch.Tensor) -> torch.Tensor:
+    """The bits of `tensor` as a flat int32 tensor (a ragged tail of bytes zero-padded)."""
     flat = tensor.detach().reshape(-1)
     if flat.numel() * flat.element_size() % 4 == 0:
-        return flat.view(torch.int32).sum(dtype=torch.int32)
-    return flat.view(torch.int16).sum(dtype=torch.int32)
+        return flat.view(torch.int32)
+    raw = flat.view(torch.uint8)  # 1- and 2-byte elements of an odd count (bool, float16)
+    padded = torch.zeros(-(-raw.numel() // 4) * 4, dtype=torch.uint8, device=raw.device)
+    padded[: raw.numel()] = raw
+    return padded.view(torch.int32)
+
+
+def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+    """A short int32 tensor, on `tensor`'s device, that changes whenever its bits do.
+
+    The bits are read as 32-bit words. Up to `_COLUMNS` words they are the
+    fingerprint. Longer tensors are viewed as rows of `_COLUMNS` words, and the
+    fingerprint is each row's sum, each column's sum (both modulo 2^32) and the
+    words of the ragged tail. Integer sums are exact in any order, so every
+    rank gets the same fingerprint for the same bits, on any device and thread
+    count. Any one changed word changes its row's sum; two changed words in
+    different rows change two row sums, in one row two column sums, so no pair
+    of changes, of any size and sign, cancels (the position-free sum it
+    replaces missed half of the pairs of opposite one-ulp changes). Hashing the
+    fingerprints (see `DriftGuard.check`) turns them into a few numbers.
+    About 2·sqrt(numel) words for a large tensor, two passes over it.
+    """
+    words = _words(tensor)
+    rows = words.numel() // _COLUMNS
+    if rows <= 1:
+        return words
+    block = words[: rows * _COLUMNS].view(rows, _COLUMNS)
+    return torch.cat(
+        [block.sum(1, dtype=torch.int32), block.sum(0, dtype=torch.int32), words[rows * _COLUMNS :]]
+    )
+
+
+def _digest(data: bytes) -> int:
+    """The first 8 bytes of data's SHA-256, as a signed int64."""
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little", signed=True)
+
+
+def _describe(tensors: dict[str, torch.Tensor]) -> str:
+    return ", ".join(f"{k} {tuple(t.shape)} {t.dtype}" for k, t in tensors.items()) or "nothing"
 
 
 class DriftGuard:
@@ -55,28 +90,57 @@ class DriftGuard:
         """Whether communication step `step` (counted from 1, equal on every rank) checks."""
         return self.every > 0 and step % self.every == 0
 
+    @staticmethod
+    def _state_tensors(p: torch.Tensor, state: dict) -> dict[str, torch.Tensor]:
+        """The tensors of p's optimizer state by key, sorted: the same order on every rank."""
+        entries = state.get(p, {})
+        return {k: entries[k] for k in sorted(entries, key=str) if torch.is_tensor(entries[k])}
+
     def check(self, state: dict) -> list[str]:
         """One check: the names that differed from the first rank's, now repaired.
 
         Args:
             state: parameter -> its optimizer state (the wrapped optimizer's
                 `state`); the tensors in it are compared and repaired too.
+
+        Raises:
+            ValueError: on every rank alike, when a parameter's optimizer state
+                holds other tensors on some ranks (other optimizer settings, or
+                another state loaded): nothing could be repaired in place.
         """
         self.checks += 1
         device = self.named[0][1].device
-        sums, owners = [], []  # a checksum per tensor, and the parameter it belongs to
-        for index, (_, p) in enumerate(self.named):
-            tensors = [p, *(v for v in state.get(p, {}).values() if isinstance(v, torch.Tensor))]
-            for tensor in tensors:
-                sums.append(checksum(tensor).to(device))
-                owners.append(index)
-        # Per parameter: its own and its state's sums, modulo 2^32, as int64 for the wire.
-        owner = torch.tensor(owners, device=device)
-        mine = torch.zeros(len(self.named), dtype=torch.int32, device=device)
-        mine = mine.index_add_(0, owner, torch.stack(sums)).to(torch.int64).view(1, -1)
+        layouts, prints, sizes = [], [], []
+        for _, p in self.named:
+            tensors = self._state_tensors(p, state)
+            layouts.append(_digest(_describe(tensors).encode() + str(p.dtype).encode()))
+            parts = [fingerprint(t).to(device) for t in (p, *tensors.values())]
+            prints.extend(parts)
+            sizes.append(sum(part.numel() for part in parts))
+        # One copy to the host for all of them, then a hash per parameter.
+        host = torch.cat(prints).cpu().numpy()
+        values, offset = [], 0
+        for size in sizes:
+            values.append(_digest(host[offset : offset + size].tobytes()))
+            offset += size
+        mine = torch.tensor([layouts + values], dtype=torch.int64, device=device)
         # Fixed names: a per-process count would differ on a worker that joined later.
-        everyone = self.allgather(mine, "drift")
-        differs = (everyone != everyone[0:1]).any(dim=0).tolist()
+        everyone = self.allgather(mine, "drift").cpu()
+        count = len(self.named)
+        layout_differs = (everyone[:, :count] != everyone[0:1, :count]).any(dim=0).tolist()
+        for j, ((name, p), bad) in enumerate(zip(self.named, layout_differs)):
+            if bad:
+                column = everyone[:, j].tolist()
+                ranks = [r for r, layout in enumerate(column) if layout != column[0]]
+                raise ValueError(
+                    f"the optimizer state of parameter {name!r} holds other tensors on some "
+                    f"ranks than on the first (here: {_describe(self._state_tensors(p, state))}; "
+                    f"other on ranks {ranks} of the process set): "
+                    "the wrapped optimizer's settings differ across ranks (amsgrad, momentum, "
+                    "...) or a rank loaded another optimizer state; build the same optimizer "
+                    "on every rank"
+                )
+        differs = (everyone[:, count:] != everyone[0:1, count:]).any(dim=0).tolist()
         names = [name for (name, _), bad in zip(self.named, differs) if bad]
         if names:
             self.repairs += 1
@@ -84,8 +148,6 @@ class DriftGuard:
             for (_, p), bad in zip(self.named, differs):
                 if bad:
                     tensors.append(p.data)
-                    tensors.extend(
-                        v for v in state.get(p, {}).values() if isinstance(v, torch.Tensor)
-                    )
+                    tensors.extend(self._state_tensors(p, state).values())
             self.broadcast(tensors, "drift.repair")
         return names

@@ -61,6 +61,13 @@ GRADIENT_GROWTH = 1.3
 SETTLE_STEPS = 50
 
 
+def _norm(tensor: torch.Tensor) -> torch.Tensor:
+    """The 2-norm of `tensor`, computed at least in float32 (16-bit norms overflow)."""
+    if tensor.dtype == torch.float64:  # vector_norm refuses to compute it in a narrower dtype
+        return torch.linalg.vector_norm(tensor)
+    return torch.linalg.vector_norm(tensor, dtype=torch.float32)
+
+
 class ErrorGrowthWarning(UserWarning):
     """PowerSGD's error buffers grow steadily relative to the gradients: divergence ahead."""
 
@@ -161,15 +168,15 @@ class LayerMonitor:
         if grad is None:
             self._norms[0, j] = 0.0
         else:
-            self._norms[0, j] = torch.linalg.vector_norm(grad, dtype=torch.float32)
+            self._norms[0, j] = _norm(grad)
         if self.compressor.config.rounds == 1:
             # The factor is summed in place once the bucket leaves: read it now.
             self._note_residual(j, name)
 
     def _note_residual(self, j: int, name: str) -> None:
         error, factor = self.compressor.step_views(name)
-        self._norms[1, j] = torch.linalg.vector_norm(error, dtype=torch.float32)
-        self._norms[2, j] = torch.linalg.vector_norm(factor, dtype=torch.float32)
+        self._norms[1, j] = _norm(error)
+        self._norms[2, j] = _norm(factor)
 
     def end_step(self, step: int, compressed: bool, totals: Callable[[], dict]) -> None:
         """Fold a finished step in; at checks agree, detect and warn; log when due.

@@ -35,6 +35,14 @@ from .schedule import Schedule
 _instances: dict = collections.defaultdict(itertools.count)
 
 _STATE_KEY = "powersgd"
+# An option our state_dict() adds to its first param group. hvd.broadcast_optimizer_state
+# broadcasts every option of the root's param groups (the learning rate, ...) and sets
+# it on every rank, so after it every rank finds this key in its param groups and
+# agrees on the shared PowerSGD state at the next step, also when only the root had
+# loaded a state in the middle of training (the others could not know otherwise).
+_SYNC_KEY = "powersgd_agree"
+# Param-group entries that are not settings of the wrapped optimizer.
+_NOT_SETTINGS = ("params", "param_names", _SYNC_KEY)
 # The ctx of a gradient cast to comm_dtype for the wire (not the user's compression).
 _CAST = object()
 
@@ -42,6 +50,8 @@ _CAST = object()
 # among them: bfloat16 gradients travel as float32 copies, and comm_dtype
 # bfloat16 is refused up front.
 _REDUCIBLE = (torch.float16, torch.float32, torch.float64)
+# Dtypes Horovod 0.28 can broadcast; others (bfloat16, bool) travel as their bytes.
+_BROADCASTABLE = (*_REDUCIBLE, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 # hvd.synchronize() waits by spinning on sched_yield, which keeps a core busy
@@ -53,9 +63,15 @@ _REDUCIBLE = (torch.float16, torch.float32, torch.float64)
 _POLL_INTERVAL_S = 100e-6
 
 
-def _wait(handle):
-    """hvd.synchronize(handle), without keeping a core busy while it is pending."""
+def _wait(handle, timeout: float | None = None, late=None):
+    """hvd.synchronize(handle), without keeping a core busy while it is pending.
+
+    With `timeout` (seconds), raise `late()` once it has been pending that long.
+    """
+    deadline = None if not timeout else time.monotonic() + timeout
     while not hvd.poll(handle):
+        if deadline is not None and time.monotonic() > deadline:
+            raise late()
         time.sleep(_POLL_INTERVAL_S)
     return hvd.synchronize(handle)
 
@@ -188,16 +204,23 @@ class _DistributedOptimizer:
             p.register_post_accumulate_grad_hook(hook)
 
     # --- construction-time checks ------------------------------------------------------
-    def _check_same_model_on_every_rank(self):
+    def _check_same_model_on_every_rank(self, optimizer_settings: bool = True):
         """One small collective: every rank must have the same parameters and settings.
 
-        Otherwise the fused collectives would mismatch and hang. All ranks
-        compare all signatures, so all of them raise the same error.
+        Otherwise the fused collectives would mismatch and hang, and optimizer
+        states of different layouts (amsgrad on one rank only) could not be
+        compared or repaired. All ranks compare all signatures, so all of them
+        raise the same error. `optimizer_settings`: compare the wrapped
+        optimizer's type and param-group settings too (not in an elastic sync,
+        where a joining worker's learning rate is the initial one until
+        broadcast_optimizer_state brings the others').
         """
         compression = getattr(self.compression, "__qualname__", type(self.compression).__name__)
         signature = [(self._names[p], tuple(p.shape), str(p.dtype)) for p in self._params] + [
             ("config", repr(self.config), str(self.op), compression)
         ]
+        if optimizer_settings:
+            signature += _optimizer_settings(self._base, self.param_groups)
         blob = pickle.dumps(signature)
         digest = torch.frombuffer(bytearray(hashlib.sha256(blob).digest()), dtype=torch.uint8)
         digests = hvd.allgather(
@@ -216,12 +239,24 @@ class _DistributedOptimizer:
                     + _first_difference(mine, other, self.process_set.rank(), other_rank)
                 )
 
+    def _global_ranks(self) -> list[int]:
+        """The global ranks of the process set's members, in set-rank order."""
+        ranks = self.process_set.ranks
+        return list(range(hvd.size())) if ranks is None else list(ranks)
+
+    def _first_rank(self) -> int:
+        """The global rank of the process set's first member (Horovod's root ranks are global)."""
+        return first_rank(self.process_set)
+
     def _reset_monitor(self) -> None:
         if self._monitor is not None:
             self._monitor.reset()
 
-    def broadcast_powersgd_state(self, root_rank: int = 0) -> None:
+    def broadcast_powersgd_state(self, root_rank: int | None = None) -> None:
         """Make the state that must agree across ranks equal to `root_rank`'s.
+
+        `root_rank` is a global rank, as everywhere in Horovod (None: the
+        first rank of the optimizer's process set).
 
         Q memory, RNG states and step counter must be identical on every rank
         (P = M·Q is summed across ranks). Error buffers are per worker and are
@@ -237,6 +272,8 @@ class _DistributedOptimizer:
         on every rank after a rank alone changed its state in the middle of
         training (say, rank 0 loaded a state after steps had run).
         """
+        if root_rank is None:
+            root_rank = self._first_rank()
         shared = self.compressor.shared_state()
         payload = {"compressor": shared, "step": self.powersgd_step, "stats": self._stats}
         payload = hvd.broadcast_object(
@@ -259,19 +296,20 @@ class _DistributedOptimizer:
         # waiting in the next collective.
         flags = hvd.allgather(
             torch.tensor(
-                [[int(changed and self.process_set.rank() != root_rank),
+                [[int(changed and hvd.rank() != root_rank),
                   int(self.process_set.size() != self._synced_world_size)]]
             ),
             name=f"{self._name}.sync.changed",
             process_set=self.process_set,
         ).tolist()  # fmt: skip
         self._synced_world_size = self.process_set.size()
-        took_over = [r for r, (took, _) in enumerate(flags) if took]
+        members = self._global_ranks()
+        took_over = [members[r] for r, (took, _) in enumerate(flags) if took]
         if any(resized for _, resized in flags):
             self.compressor.reset_error()  # every residual was a share of the old world's sum
             self._reset_monitor()
         elif took_over:
-            if self.process_set.rank() in took_over:
+            if hvd.rank() in took_over:
                 self.compressor.reset_error()
                 self._reset_monitor()
             warnings.warn(
@@ -304,7 +342,7 @@ class _DistributedOptimizer:
         if all(row[1:] == everyone[0][1:] for row in everyone):
             return
         root = next((r for r, row in enumerate(everyone) if row[0]), 0)
-        self.broadcast_powersgd_state(root)
+        self.broadcast_powersgd_state(self._global_ranks()[root])
 
     # --- hooks ---------------------------------------------------------------------------
     def _hook(self, p: torch.Tensor) -> None:
@@ -344,6 +382,11 @@ class _DistributedOptimizer:
 
     def _begin_step(self):
         self._step_begun = True
+        if any(_SYNC_KEY in group for group in self.param_groups):
+            # hvd.broadcast_optimizer_state ran (see _SYNC_KEY): every rank is here.
+            for group in self.param_groups:
+                group.pop(_SYNC_KEY, None)
+            self._agree_pending = self._active
         if self._agree_pending:
             self._agree_on_shared_state()  # may change the step counter: first
         # A synchronize() whose step was skipped (e.g. by GradScaler) is over.
@@ -419,9 +462,13 @@ class _DistributedOptimizer:
         self._stats["steps"] += 1
         self._stats["elements_uncompressed"] += self._numel
         self.powersgd_step += 1
-        # The check follows the update this step's gradients make (in step()).
-        self._drift_check_due = self._guard.due(self.powersgd_step) or (
-            self._check_after_agreeing and self._guard.every > 0
+        # The check follows the update this step's gradients make (in step()). One
+        # that is due stays due until a step() runs: GradScaler skips steps on every
+        # rank alike, and the check after a resume must not be lost with the first.
+        self._drift_check_due = (
+            self._drift_check_due
+            or self._guard.due(self.powersgd_step)
+            or (self._check_after_agreeing and self._guard.every > 0)
         )
         self._check_after_agreeing = False
         self._reset_step()
@@ -438,17 +485,17 @@ class _DistributedOptimizer:
 
         Runs right after the wrapped optimizer's step, so the parameters and
         their optimizer state are identical on every rank after it. (If no
-        step() follows, say GradScaler skipped it on every rank, there is no
-        check this time.)
+        step() follows, say GradScaler skipped it on every rank, the check
+        waits for the next step() that runs.)
         """
         self._drift_check_due = False
-        root = 0
         drifted = self._guard.check(self.state)
         if drifted:
             # Every rank knows the same list (from one all-gather): all warn alike.
             warnings.warn(
                 f"parameters differed across ranks at step {self.powersgd_step} and were "
-                f"reset to rank {root}'s: {drifted[:5]}{' ...' if len(drifted) > 5 else ''} "
+                f"reset to rank {self._first_rank()}'s: {drifted[:5]}"
+                f"{' ...' if len(drifted) > 5 else ''} "
                 "(after a resume, hvd.broadcast_optimizer_state's initialising step with "
                 "weight decay moves the ranks that had no optimizer state; later, ranks "
                 "whose processors or thread counts round differently drift apart, since each "
@@ -457,14 +504,26 @@ class _DistributedOptimizer:
             )
 
     def _broadcast_in_place(self, tensors, name: str) -> None:
-        handles = [
-            hvd.broadcast_async_(
-                t, root_rank=0, name=f"{self._name}.{name}.{i}", process_set=self.process_set
-            )
-            for i, t in enumerate(tensors)
-        ]
+        """Overwrite `tensors` with those of the process set's first rank."""
+        root = self._first_rank()
+        handles, copies = [], []
+        for i, t in enumerate(tensors):
+            wire = t
+            if t.dtype not in _BROADCASTABLE:
+                # bfloat16, bool: Horovod 0.28 cannot broadcast them, but their bytes.
+                wire = t.detach().contiguous().reshape(-1).view(torch.uint8)
+                if wire.data_ptr() != t.data_ptr():
+                    copies.append((t, wire))
+            handles.append(
+                hvd.broadcast_async_(
+                    wire, root_rank=root, name=f"{self._name}.{name}.{i}",
+                    process_set=self.process_set,
+                )
+            )  # fmt: skip
         for handle in handles:
             _wait(handle)
+        for t, wire in copies:  # a non-contiguous tensor travelled as a copy
+            t.copy_(wire.view(t.dtype).view(t.shape))
 
     def _reset_step(self) -> None:
         """Forget everything about the step in progress (after it, or on load_state_dict)."""
@@ -588,9 +647,15 @@ class _DistributedOptimizer:
         memory, RNG states and step counter. Error buffers differ per rank:
         save every rank's (see `save_checkpoint`), not only rank 0's.
 
-        Rank-local, like any `state_dict()`: a rank may save it alone.
+        Rank-local, like any `state_dict()`: a rank may save it alone. Its
+        first param group carries one more option, ``"powersgd_agree"``:
+        `hvd.broadcast_optimizer_state` sets it on every rank, which makes
+        the ranks agree on the PowerSGD state at the next step (so a rank 0
+        that alone loaded a state mid-training, then that broadcast, works).
         """
         state = self._base.state_dict(self)
+        if state["param_groups"]:
+            state["param_groups"][0][_SYNC_KEY] = True
         state[_STATE_KEY] = {
             "step": self.powersgd_step,
             "world_size": self.process_set.size(),
@@ -624,6 +689,8 @@ class _DistributedOptimizer:
         self._synchronized = False
         self._should_synchronize = True
         self._base.load_state_dict(self, state_dict)
+        for group in self.param_groups:  # torch copied the saved groups' options
+            group.pop(_SYNC_KEY, None)
         self._agree_pending, self._loaded = self._active, True
         self._reset_monitor()  # the statistics of the steps before describe another state
         if ours is None:
@@ -666,7 +733,7 @@ class _PowerSGDStateHandler(_elastic_state.OptimizerStateHandler):
     """
 
     def sync(self):
-        self.value._check_same_model_on_every_rank()
+        self.value._check_same_model_on_every_rank(optimizer_settings=False)
         self.value.broadcast_powersgd_state(root_rank=0)
         super().sync()
 
@@ -996,15 +1063,62 @@ def _allgather_bytes(blob: bytes, name: str, process_set) -> list[bytes]:
     return out
 
 
+def _settable(value):
+    """`value` if it is plain data (compared by value across ranks), else its type's name.
+
+    An object's repr may hold its address, which differs on every rank.
+    """
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_settable(v) for v in value)
+    if isinstance(value, torch.Tensor) and value.numel() <= 16:
+        return repr(value.detach().cpu())
+    return type(value).__qualname__
+
+
+def _optimizer_settings(base: type, param_groups) -> list[tuple]:
+    """The wrapped optimizer's type and each param group's settings, for the signature."""
+    rows = [("optimizer", base.__qualname__)]
+    for index, group in enumerate(param_groups):
+        for key in sorted(k for k in group if k not in _NOT_SETTINGS):
+            rows.append(("setting", index, key, _settable(group[key])))
+    return rows
+
+
 def _first_difference(mine, other, my_rank, other_rank) -> str:
-    if len(mine) != len(other):
+    kinds = [[row for row in rows if row[0] == "optimizer"] for rows in (mine, other)]
+    if kinds[0] != kinds[1]:
         return (
-            f"rank {my_rank} has {len(mine) - 1} parameters with gradients, "
-            f"rank {other_rank} has {len(other) - 1}"
+            f"the wrapped optimizer is {kinds[0][0][1] if kinds[0] else '?'} on rank {my_rank} "
+            f"and {kinds[1][0][1] if kinds[1] else '?'} on rank {other_rank}"
+        )
+    mine_settings = {row[1:3]: row for row in mine if row[0] == "setting"}
+    other_settings = {row[1:3]: row for row in other if row[0] == "setting"}
+    for where in sorted(mine_settings.keys() | other_settings.keys()):
+        a, b = mine_settings.get(where), other_settings.get(where)
+        if a != b:
+            index, key = where
+            show = [("unset" if row is None else repr(row[3])) for row in (a, b)]
+            return (
+                f"optimizer setting {key!r} of param group {index} is {show[0]} on rank "
+                f"{my_rank} and {show[1]} on rank {other_rank}; build the same optimizer on "
+                "every rank"
+            )
+    mine = [row for row in mine if row[0] != "setting"]
+    other = [row for row in other if row[0] != "setting"]
+    if len(mine) != len(other):
+
+        def count(rows):
+            return sum(row[0] not in ("config", "optimizer") for row in rows)
+
+        return (
+            f"rank {my_rank} has {count(mine)} parameters with gradients, "
+            f"rank {other_rank} has {count(other)}"
         )
     for a, b in zip(mine, other):
         if a != b:
-            if a[0] == "config":
+            if a[0] in ("config", "optimizer"):
                 return f"settings on rank {my_rank}: {a[1:]}; on rank {other_rank}: {b[1:]}"
             return (
                 f"parameter {a[0]!r} {a[1:]} on rank {my_rank}, "
@@ -1014,14 +1128,62 @@ def _first_difference(mine, other, my_rank, other_rank) -> str:
 
 
 # --- collectives for other modules (only this module talks to Horovod) -------------------
-def allgather_object(obj, name: str, process_set) -> list:
-    """`obj` of every rank of `process_set`, in rank order.
+def first_rank(process_set) -> int:
+    """The global rank of `process_set`'s first member (Horovod's root ranks are global)."""
+    return 0 if process_set.ranks is None else process_set.ranks[0]
 
-    (Horovod 0.28's hvd.allgather_object has no process_set argument.)
+
+class Collective:
+    """Collectives of a call that every rank of `process_set` must make, with a deadline.
+
+    A Horovod collective waits for ever for a rank that never joins it (say, a
+    function called under `if hvd.rank() == 0:`); these raise `TimeoutError`,
+    naming `what`, after `timeout` seconds instead (None or 0: wait for ever).
     """
-    return [pickle.loads(b) for b in _allgather_bytes(pickle.dumps(obj), name, process_set)]
 
+    def __init__(self, what: str, process_set, timeout: float | None, hint: str = ""):
+        self.what, self.process_set, self.timeout, self.hint = what, process_set, timeout, hint
 
-def broadcast_object(obj, root_rank: int, name: str, process_set):
-    """`root_rank`'s `obj` on every rank of `process_set`."""
-    return hvd.broadcast_object(obj, root_rank=root_rank, name=name, process_set=process_set)
+    def _late(self):
+        members = self.process_set.ranks or list(range(hvd.size()))
+        return TimeoutError(
+            f"{self.what} waited {self.timeout:g} s on rank {hvd.rank()} for the other ranks "
+            f"of its process set {members}: it is collective, so every one of them must call "
+            f"it{self.hint}"
+        )
+
+    def _wait(self, handle):
+        return _wait(handle, self.timeout, self._late)
+
+    def allgather_object(self, obj, name: str) -> list:
+        """`obj` of every rank of the process set, in rank order."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = self._wait(
+            hvd.allgather_async(
+                torch.tensor([data.numel()]), name=f"{name}.sizes", process_set=self.process_set
+            )
+        )
+        gathered = self._wait(
+            hvd.allgather_async(data, name=f"{name}.data", process_set=self.process_set)
+        )
+        out, offset = [], 0
+        for size in sizes.tolist():
+            out.append(pickle.loads(gathered[offset : offset + size].numpy().tobytes()))
+            offset += size
+        return out
+
+    def broadcast_object(self, obj, name: str):
+        """The process set's first rank's `obj`, on every rank of the set."""
+        root = first_rank(self.process_set)
+        data = pickle.dumps(obj) if hvd.rank() == root else b""
+        size = torch.tensor([len(data)])
+        self._wait(
+            hvd.broadcast_async_(size, root, name=f"{name}.size", process_set=self.process_set)
+        )
+        buffer = torch.zeros(int(size), dtype=torch.uint8)
+        if hvd.rank() == root:
+            buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self._wait(
+            hvd.broadcast_async_(buffer, root, name=f"{name}.data", process_set=self.process_set)
+        )
+        return pickle.loads(buffer.numpy().tobytes())

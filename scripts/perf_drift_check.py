@@ -1,6 +1,6 @@
 """Cost of the drift check (issue 23): one check against 100 training steps, one process.
 
-Times `DriftGuard.check` (a bit-pattern checksum of every parameter and its SGD
+Times `DriftGuard.check` (a bit-pattern fingerprint of every parameter and its SGD
 momentum; the all-gather is replaced by the local tensor, which costs one
 small collective in a real run) and one forward/backward/SGD step of a
 benchmark model, on one core, and prints the check's share of the steps

@@ -76,3 +76,31 @@ def test_resume_with_same_workers_is_exact_and_other_workers_resets_residuals(tm
     assert resized["size"] == 3
     assert resized["error_norm"] == 0.0
     assert resized["powersgd_step"] == 6
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("alone", "launcher"), [("save", "mpirun"), ("load", "horovodrun-gloo")])
+def test_checkpoint_on_rank_0_alone_ends_the_job_with_what_to_call_instead(
+    tmp_path, python, horovodrun, monkeypatch, alone, launcher
+):
+    # Horovod's examples save under `if hvd.rank() == 0:`; save_checkpoint and
+    # load_checkpoint are collective, so there rank 0 waited for ever in the first
+    # collective and the others in their next step's.
+    ckpt = str(tmp_path / "ckpt.pt")
+    rc, out, _ = launch(mpirun(python, 2, "--steps", "2", "--save", ckpt), timeout=180)
+    assert rc == 0, out[-2000:]
+    monkeypatch.setenv("HOROVOD_POWERSGD_CHECKPOINT_TIMEOUT", "5")
+    args = ("--steps", "10000", "--alone", alone, "--alone-step", "3", f"--{alone}", ckpt)
+    if launcher == "mpirun":
+        cmd = mpirun(python, 2, *args)
+        cmd[1:1] = ["-x", "HOROVOD_POWERSGD_CHECKPOINT_TIMEOUT"]
+    else:
+        cmd = gloo(horovodrun, python, 2, *args)
+    rc, out, seconds = launch(cmd, timeout=240)
+    assert rc != 0, out[-2000:]
+    assert seconds < 5 + 60, f"took {seconds:.0f} s"
+    what = f"{alone}_checkpoint"
+    assert f"TimeoutError: {what} waited 5 s on rank 0" in out, out[-3000:]
+    assert "every one of them must call it" in out and "hvd.broadcast_optimizer_state" in out
+    # The other rank ends too: Horovod shuts down when rank 0's process exits.
+    assert "Horovod has been shut down" in out, out[-3000:]

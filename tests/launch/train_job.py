@@ -4,6 +4,9 @@
 an out-of-memory killer or a lost node would.
 --save PATH / --load PATH: checkpoint with horovod_powersgd.save_checkpoint
 after the last step / restore before the first one.
+--alone save|load --alone-step S: rank 0 alone calls save_checkpoint (load_checkpoint
+of --load) at step S, under `if hvd.rank() == 0:` as Horovod's examples save, while
+the other ranks train on.
 Rank 0 prints one JSON line at the end with a checksum of the parameters.
 """
 
@@ -28,6 +31,8 @@ def main():
     parser.add_argument("--kill-step", type=int, default=-1)
     parser.add_argument("--save", default=None)
     parser.add_argument("--load", default=None)
+    parser.add_argument("--alone", choices=("save", "load"), default=None)
+    parser.add_argument("--alone-step", type=int, default=-1)
     args = parser.parse_args()
 
     hvd.init()
@@ -35,11 +40,16 @@ def main():
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     opt = hps.DistributedOptimizer(opt, named_parameters=model.named_parameters(), rank=2)
-    if args.load:
+    if args.load and not args.alone:
         hps.load_checkpoint(args.load, model, opt)
     for step in range(args.first_step, args.first_step + args.steps):
         if hvd.rank() == args.kill_rank and step == args.kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
+        if args.alone and step == args.alone_step and hvd.rank() == 0:
+            if args.alone == "save":
+                hps.save_checkpoint(args.save, model, opt)
+            else:
+                hps.load_checkpoint(args.load, model, opt)
         g = torch.Generator().manual_seed(1000 * step + hvd.rank())
         x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
         opt.zero_grad()

@@ -23,9 +23,9 @@ def batch(step, rank=None, size=16, dtype=torch.float32):
     return x, y
 
 
-def train(model, opt, steps, first_step=0):
+def train(model, opt, steps, first_step=0, dtype=torch.float32):
     for step in range(first_step, first_step + steps):
-        x, y = batch(step)
+        x, y = batch(step, dtype=dtype)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()

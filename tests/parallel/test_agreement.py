@@ -9,7 +9,8 @@ import warnings
 import horovod.torch as hvd
 import pytest
 import torch
-from helpers import assert_same_on_every_rank, make_model, train
+import torch.nn.functional as F
+from helpers import assert_same_on_every_rank, batch, make_model, train
 from torch import nn
 
 import horovod_powersgd as hps
@@ -23,10 +24,10 @@ def sgd(model, momentum=0.0, **kwargs):
     return hps.DistributedOptimizer(opt, named_parameters=model.named_parameters(), **kwargs)
 
 
-def train_recording_warnings(model, opt, steps, first_step=0):
+def train_recording_warnings(model, opt, steps, first_step=0, dtype=torch.float32):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        train(model, opt, steps=steps, first_step=first_step)
+        train(model, opt, steps=steps, first_step=first_step, dtype=dtype)
     return [str(w.message) for w in caught]
 
 
@@ -152,3 +153,150 @@ def test_drift_check_every_zero_never_checks_and_bad_values_raise():
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="drift_check_every"):
             sgd(model, drift_check_every=bad)
+
+
+def nudge(tensor, index, direction):
+    """Move one element of `tensor` by one ulp (bits +1 or -1 for a positive float)."""
+    flat = tensor.data.view(-1)
+    target = torch.tensor(float("inf") if direction > 0 else 0.0, dtype=tensor.dtype)
+    flat[index] = torch.nextafter(flat[index : index + 1], target.view(1))[0]
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opposite_one_ulp_changes_are_found_and_repaired(dtype):
+    # +1 and -1 in the bit patterns of two elements: a plain sum of the bits cancels.
+    model = make_model(dtype=dtype)
+    opt = sgd(model, momentum=0.9, drift_check_every=1)
+    train(model, opt, steps=2, dtype=dtype)
+    weight = model[2].weight
+    positive = (weight.detach().view(-1) > 0).nonzero().view(-1)
+    if hvd.rank() == 1:
+        with torch.no_grad():
+            nudge(weight, int(positive[3]), +1)
+            nudge(weight, int(positive[40]), -1)
+    messages = train_recording_warnings(model, opt, steps=1, first_step=2, dtype=dtype)
+    drifted = [m for m in messages if DRIFTED in m]
+    assert len(drifted) == 1 and "'2.weight'" in drifted[0], messages
+    for n, p in model.named_parameters():
+        assert_same_on_every_rank(p, n)
+        assert_same_on_every_rank(opt.state[p]["momentum_buffer"], f"momentum.{n}")
+
+
+class SGDWithMask(torch.optim.SGD):
+    """SGD that keeps a bool tensor of odd length per parameter, as custom optimizers may."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                mask = self.state[p].setdefault("seen", torch.zeros(3, dtype=torch.bool))
+                mask[0] = True
+        return super().step(closure)
+
+
+@pytest.mark.world_size(2)
+def test_odd_sized_one_byte_optimizer_state_is_checked_and_repaired():
+    model = make_model()
+    opt = hps.DistributedOptimizer(
+        SGDWithMask(model.parameters(), lr=0.05, momentum=0.9),
+        named_parameters=model.named_parameters(),
+        drift_check_every=1,
+    )
+    train(model, opt, steps=2)
+    if hvd.rank() == 1:
+        opt.state[model[0].weight]["seen"][2] = True
+    messages = train_recording_warnings(model, opt, steps=1, first_step=2)
+    drifted = [m for m in messages if DRIFTED in m]
+    assert len(drifted) == 1 and "'0.weight'" in drifted[0], messages
+    seen = opt.state[model[0].weight]["seen"]
+    assert seen.tolist() == [True, False, False]  # rank 0's, on every rank
+    assert_same_on_every_rank(seen.to(torch.uint8), "seen")
+
+
+def test_optimizer_state_of_another_layout_on_one_rank_raises_at_the_check_on_every_rank():
+    model = make_model()
+    opt = sgd(model, momentum=0.9, drift_check_every=2)
+    train(model, opt, steps=1)
+    if hvd.rank() == 1:  # a state the other ranks do not have (another optimizer's)
+        opt.state[model[0].weight]["max_exp_avg_sq"] = torch.zeros(64, 32)
+    with pytest.raises(ValueError, match=r"optimizer state of parameter '0.weight'.*other"):
+        train(model, opt, steps=1, first_step=1)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize(
+    ("setting", "make"),
+    [
+        ("amsgrad", lambda params, rank: torch.optim.AdamW(params, lr=1e-3, amsgrad=rank == 1)),
+        ("momentum", lambda params, rank: torch.optim.SGD(params, lr=0.05, momentum=0.9 * rank)),
+    ],
+    ids=["amsgrad", "momentum"],
+)
+@pytest.mark.parametrize("layers", [1, 3], ids=["one-parameter", "mlp"])
+def test_optimizer_settings_that_differ_across_ranks_fail_at_once_naming_the_setting(
+    setting, make, layers
+):
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8, bias=False) if layers == 1 else make_model()
+    with pytest.raises(ValueError, match=rf"optimizer setting '{setting}' of param group 0"):
+        hps.DistributedOptimizer(
+            make(model.parameters(), hvd.rank()), named_parameters=model.named_parameters()
+        )
+
+
+def test_a_skipped_first_step_after_a_resume_keeps_its_drift_check():
+    # Rank 1's weights off by 1e-4 after a resume; the first step after it is skipped
+    # on every rank (as GradScaler skips an overflow step): the check waits for the next.
+    model = make_model()
+    opt = hps.DistributedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        named_parameters=model.named_parameters(),
+    )
+    train(model, opt, steps=2)
+    saved = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    resumed = make_model(seed=7)
+    resumed_opt = hps.DistributedOptimizer(
+        torch.optim.AdamW(resumed.parameters(), lr=1e-3),
+        named_parameters=resumed.named_parameters(),
+    )
+    resumed.load_state_dict(saved["model"])
+    resumed_opt.load_state_dict(saved["optimizer"])
+    if hvd.rank() == 1:
+        with torch.no_grad():
+            resumed[0].weight.add_(1e-4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        x, y = batch(2)
+        F.cross_entropy(resumed(x), y).backward()
+        resumed_opt.synchronize()  # ... and no step(): skipped on every rank
+        resumed_opt.zero_grad()
+        train(resumed, resumed_opt, steps=1, first_step=3)
+    drifted = [str(w.message) for w in caught if DRIFTED in str(w.message)]
+    assert len(drifted) == 1 and "'0.weight'" in drifted[0]
+    for n, p in resumed.named_parameters():
+        assert_same_on_every_rank(p, n)
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_rank0_reloading_mid_training_then_broadcast_optimizer_state_agrees(rounds):
+    # Horovod's habit: rank 0 loads an earlier state while the others trained on,
+    # then every rank calls hvd.broadcast_parameters and hvd.broadcast_optimizer_state.
+    model = make_model()
+    opt = sgd(model, momentum=0.9, rounds=rounds)
+    train(model, opt, steps=5)
+    saved = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    train(model, opt, steps=3, first_step=5)
+    if hvd.rank() == 0:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    messages = train_recording_warnings(model, opt, steps=2, first_step=5)
+    assert opt.powersgd_step == 7  # rank 0's 5, then 2 more, on every rank
+    assert_same_on_every_rank(torch.tensor([opt.powersgd_step]), "step")
+    for n, p in model.named_parameters():
+        assert torch.isfinite(p).all(), n
+        assert_same_on_every_rank(p, n)
+    took_over = [m for m in messages if TOOK_OVER in m]
+    assert len(took_over) == 1, messages

@@ -415,3 +415,18 @@ def test_no_warnings_in_normal_use():
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(opt, root_rank=0)
         train(model, opt, steps=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_float64_and_bfloat16_models_train_with_the_default_settings(dtype):
+    # As with Horovod: model.double() (or bfloat16 weights) and nothing else changed;
+    # 12 steps take in a statistics check (every 10) and the first-step drift check.
+    model = make_model(dtype=dtype)
+    opt = powersgd(model)
+    train(model, opt, steps=12, dtype=dtype)
+    assert opt.compression_stats()["ratio"] > 1
+    layers = opt.compression_stats(per_layer=True)["layers"]
+    assert layers and all(layer["avg_relative_error"] is not None for layer in layers)
+    for n, p in model.named_parameters():
+        assert p.dtype == dtype and torch.isfinite(p).all(), n
+        assert_same_on_every_rank(p, n)
