@@ -300,3 +300,19 @@ def test_rank0_reloading_mid_training_then_broadcast_optimizer_state_agrees(roun
         assert_same_on_every_rank(p, n)
     took_over = [m for m in messages if TOOK_OVER in m]
     assert len(took_over) == 1, messages
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_rank_1_trains_from_the_first_step(rounds):
+    # A rank-1 Q memory is m x 1 with a last stride of m: the first step's state
+    # digest could not view it as bytes (issue 36).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 32, bias=False))
+    opt = sgd(model, rank=1, rounds=rounds)
+    for step in range(3):
+        x, _ = batch(step)
+        opt.zero_grad()
+        model(x[:, :20]).pow(2).mean().backward()
+        opt.step()
+    assert opt.compression_stats()["ratio"] > 1
+    assert_same_on_every_rank(model[0].weight, "rank1.weight")
