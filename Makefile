@@ -49,10 +49,15 @@ test-gloo:
 	$(RUN_CAP) $(VENV)/bin/horovodrun -np 3 -H localhost:3 --gloo \
 		$(PY) -m pytest tests/parallel/test_process_sets.py -p no:cacheprovider
 
+# The structure too (docs/architecture.md): one module imports Horovod, sizes,
+# imports one way, and one step's path through the package at most 300 lines.
 lint:
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/hadolint Dockerfile docker/Dockerfile.gpu
+	$(PY) scripts/check_structure.py
+	$(PY) scripts/step_path.py --rounds 2 --max-lines 300 | tail -1
+	$(PY) scripts/step_path.py --rounds 1 --max-lines 300 | tail -1
 
 # Builds the CPU image with podman (slow: it compiles Horovod), checks that the
 # build's self-test ran and smoke-tests the image; not part of `make test`.

@@ -7,8 +7,9 @@ Change one line of a Horovod script::
 """
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .compressor import PowerSGDCompressor, orthogonalize_
+from .compressor import PowerSGDCompressor
 from .config import PowerSGDConfig
+from .linalg import orthogonalize_
 from .monitor import ErrorGrowthWarning
 from .optimizer import DistributedOptimizer
 

@@ -18,7 +18,8 @@ import warnings
 
 import torch
 
-from .optimizer import _STATE_KEY, Collective
+from .comm import Collective
+from .optimizer import STATE_KEY as _STATE_KEY
 
 # What torch.load(weights_only=True) reads back, matched by exact type: a
 # subclass (numpy.float64 is a float, a namedtuple a tuple) pickles as its own

@@ -1,7 +1,9 @@
 """PowerSGDConfig: the tuning knobs of PowerSGD, validated once, up front.
 
-Validation happens here, in the constructor, so that a bad value fails on
-every rank before the optimizer issues any collective.
+Validation happens here, before the optimizer issues any collective, so that
+a bad value fails on every rank alike: the settings in the constructor, and
+the other arguments of `DistributedOptimizer` that need no Horovod to check
+(`check_groups`, `check_named_parameters`, `check_log_every`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-_COMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# The floating dtypes Horovod 0.28 can all-reduce (CPU and CUDA alike): what P, Q
+# and gradients may travel in. bfloat16 is not among them: bfloat16 gradients
+# travel as float32 copies, and comm_dtype bfloat16 is refused.
+COMM_DTYPES = (torch.float16, torch.float32, torch.float64)
 
 
 def _is_int(value) -> bool:
@@ -23,19 +28,15 @@ class PowerSGDConfig:
     """Settings of the PowerSGD compressor.
 
     How to tune:
-      * ``rank``: 1-4 is enough for CNNs (the paper trains ResNet-18 on
-        CIFAR-10 at rank 2 to full-SGD accuracy); the LSTM language model
-        matched plain Horovod at 4 (docs/results/convergence.md); the AdamW
-        transformer example, after its 8-epoch cosine, was level with plain at
-        4 (-1.2 %) and ahead at 16 (-6.8 %; means of 2 seeds). Bytes per step grow
-        linearly with rank.
+      * ``rank``: 1-4 for CNNs (the paper trains ResNet-18 on CIFAR-10 at
+        rank 2 to full-SGD accuracy), about 4 for an LSTM language model, 4-16
+        for a transformer; measured ranks are in docs/results/convergence.md.
+        Bytes per step grow linearly with rank.
       * ``start_iter``: steps of uncompressed all-reduce before compression
         starts. 0 (the default) keeps every step compressed; one plain step
-        sends as much as ~100 compressed ones (rank 2, the examples' CNN).
-        Set it to the end of the learning-rate warm-up when there is one, or
-        with a large learning rate. On the Fashion-MNIST CNN at lr 0.02, 100
-        or 469 plain steps changed accuracy by less than the seed spread
-        (docs/results/convergence.md).
+        sends as much as about 100 compressed ones at rank 2. Set it to the
+        end of the learning-rate warm-up when there is one, or with a large
+        learning rate (docs/results/convergence.md).
       * ``min_compression_rate``: tensors that would not shrink at least this
         much are sent as they are; they ride in the same collective as P.
 
@@ -101,10 +102,11 @@ class PowerSGDConfig:
             )
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if self.comm_dtype is not None and self.comm_dtype not in _COMM_DTYPES:
+        if self.comm_dtype is not None and self.comm_dtype not in COMM_DTYPES:
             raise ValueError(
-                "comm_dtype must be None or a floating dtype "
-                f"({', '.join(str(d) for d in _COMM_DTYPES)}), got {self.comm_dtype!r}"
+                f"comm_dtype={self.comm_dtype!r} cannot be sent: Horovod all-reduces only "
+                f"{', '.join(str(d) for d in COMM_DTYPES)} (or None: the compute dtype); use "
+                "torch.float16 to halve P/Q bytes"
             )
         if not _is_int(self.backward_passes_per_step) or self.backward_passes_per_step < 1:
             raise ValueError(
@@ -131,3 +133,64 @@ class PowerSGDConfig:
             return False
         r = self.matrix_rank(n, m)
         return n * m >= self.min_compression_rate * r * (n + m)
+
+
+def check_log_every(log_every) -> None:
+    """`log_every` of DistributedOptimizer: an integer >= 0 (may differ between ranks)."""
+    if not _is_int(log_every) or log_every < 0:
+        raise ValueError(f"log_every must be an integer >= 0, got {log_every!r}")
+
+
+def check_groups(groups) -> None:
+    """Horovod's validation of `groups`: None, an integer > 0, or lists of tensors."""
+    if groups is None:
+        return
+    if isinstance(groups, list):
+        seen = set()
+        for group in groups:
+            for p in group:
+                if not isinstance(p, torch.Tensor):
+                    raise ValueError("groups must consist of torch.Tensor.")
+                if id(p) in seen:
+                    raise ValueError("A parameter can only appear once in groups.")
+                seen.add(id(p))
+        return
+    if not _is_int(groups) or groups <= 0:
+        raise ValueError(
+            "groups should be a non-negative integer or a list of list of torch.Tensor."
+        )
+
+
+def check_named_parameters(optimizer, named_parameters) -> list[tuple[str, torch.Tensor]]:
+    """The (name, parameter) pairs of the optimizer's parameters: unique names, none missing."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        # Like Horovod: positional names, identical on ranks that build the same optimizer.
+        return [
+            (f"group{i}.param{j}", p)
+            for i, group in enumerate(optimizer.param_groups)
+            for j, p in enumerate(group["params"])
+        ]
+    named_parameters = list(named_parameters)
+    if any(not (isinstance(x, tuple) and len(x) == 2) for x in named_parameters):
+        raise ValueError(
+            "named_parameters should be a sequence of (name, parameter) tuples, usually "
+            "produced by model.named_parameters()"
+        )
+    seen, dups = set(), []
+    for name, _ in named_parameters:
+        if name in seen:
+            dups.append(name)
+        seen.add(name)
+    if dups:
+        raise ValueError(f"parameter names in named_parameters must be unique; duplicates: {dups}")
+    named_ids = {id(p) for _, p in named_parameters}
+    unnamed = [i for i, p in enumerate(params) if id(p) not in named_ids]
+    if unnamed:
+        shapes = [tuple(params[i].shape) for i in unnamed[:5]]
+        raise ValueError(
+            f"{len(unnamed)} parameter(s) of the optimizer are missing from named_parameters "
+            f"(shapes {shapes}); pass model.named_parameters() of the model being optimized"
+        )
+    param_ids = {id(p) for p in params}
+    return [(name, p) for name, p in named_parameters if id(p) in param_ids]

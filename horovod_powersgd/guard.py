@@ -8,13 +8,12 @@ number of threads. Ranks that differ in any of these drift apart by rounding
 errors that compound (7.5e-9 after 15 steps with 1 thread on one rank and 2 on
 the other: docs/reliability.md).
 
-No Horovod here: the optimizer hands in its collectives, like the reducer.
+No Horovod here: the optimizer hands in its collectives (`comm.Comm`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
 
 import torch
 
@@ -75,20 +74,42 @@ class DriftGuard:
     Args:
         named: (name, parameter) pairs, in an order equal on every rank.
         every: steps between checks (0: never).
-        allgather: (int64 tensor of shape (1, k), name) -> (ranks, k) tensor.
-        broadcast: (tensors, name) -> None, in place from the first rank.
+        comm: the collectives (`comm.Comm`): `allgather` (an int64 tensor of
+            shape (1, k), name) -> (ranks, k) tensor, and `broadcast_` (tensors,
+            name), in place from the first rank.
     """
 
-    def __init__(self, named, every: int, *, allgather: Callable, broadcast: Callable):
+    def __init__(self, named, every: int, comm):
         self.named = list(named)
         self.every = every
-        self.allgather, self.broadcast = allgather, broadcast
+        self.comm = comm
         self.checks = 0  # checks done so far
         self.repairs = 0  # checks that found and repaired a difference
+        self.requested = False  # check after the next step too (the ranks just agreed)
+        self.pending = False  # the next step() checks
 
     def due(self, step: int) -> bool:
         """Whether communication step `step` (counted from 1, equal on every rank) checks."""
         return self.every > 0 and step % self.every == 0
+
+    def request(self) -> None:
+        """Check after the next step as well: the ranks just agreed on their state.
+
+        A resume can leave ranks with different weights (with weight decay,
+        hvd.broadcast_optimizer_state's initialising step on zero gradients moves
+        those of ranks that had no optimizer state).
+        """
+        self.requested = True
+
+    def note_step(self, step: int) -> None:
+        """Communication step `step` is done; the check follows the update its step() makes.
+
+        One that is due stays due until a step() runs (`pending`): GradScaler
+        skips steps on every rank alike, and the check after a resume must not
+        be lost with the first.
+        """
+        self.pending = self.every > 0 and (self.pending or self.requested or step % self.every == 0)
+        self.requested = False
 
     @staticmethod
     def _state_tensors(p: torch.Tensor, state: dict) -> dict[str, torch.Tensor]:
@@ -109,6 +130,7 @@ class DriftGuard:
                 another state loaded): nothing could be repaired in place.
         """
         self.checks += 1
+        self.pending = False
         device = self.named[0][1].device
         layouts, prints, sizes = [], [], []
         for _, p in self.named:
@@ -125,7 +147,7 @@ class DriftGuard:
             offset += size
         mine = torch.tensor([layouts + values], dtype=torch.int64, device=device)
         # Fixed names: a per-process count would differ on a worker that joined later.
-        everyone = self.allgather(mine, "drift").cpu()
+        everyone = self.comm.allgather(mine, "drift").cpu()
         count = len(self.named)
         layout_differs = (everyone[:, :count] != everyone[0:1, :count]).any(dim=0).tolist()
         for j, ((name, p), bad) in enumerate(zip(self.named, layout_differs)):
@@ -149,5 +171,5 @@ class DriftGuard:
                 if bad:
                     tensors.append(p.data)
                     tensors.extend(self._state_tensors(p, state).values())
-            self.broadcast(tensors, "drift.repair")
+            self.comm.broadcast_(tensors, "drift.repair")
         return names

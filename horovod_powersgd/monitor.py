@@ -68,6 +68,16 @@ def _norm(tensor: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(tensor, dtype=torch.float32)
 
 
+def _with_feedback(residual: torch.Tensor, sent: torch.Tensor):
+    """(‖e‖, ‖M‖) where the error buffer holds the residual e = M − (sent factor · partner)."""
+    return residual, torch.sqrt(residual.square() + sent.square())
+
+
+def _without_feedback(residual: torch.Tensor, sent: torch.Tensor):
+    """(‖e‖, ‖M‖) where the buffer holds M itself (no error feedback)."""
+    return torch.sqrt((residual.square() - sent.square()).clamp_(min=0)), residual
+
+
 class ErrorGrowthWarning(UserWarning):
     """PowerSGD's error buffers grow steadily relative to the gradients: divergence ahead."""
 
@@ -124,6 +134,8 @@ class LayerMonitor:
         self.reporter = reporter
         self.log_every = log_every
         self.names = compressor.compressed_names
+        feedback = compressor.config.error_feedback
+        self._error_and_matrix = _with_feedback if feedback else _without_feedback
         self._index = {name: j for j, name in enumerate(self.names)}
         self._info = [compressor.layer_info(name) for name in self.names]
         count = len(self.names)
@@ -165,10 +177,7 @@ class LayerMonitor:
     def compressed(self, name: str, grad: torch.Tensor | None) -> None:
         """Note this layer's local gradient; rounds=1 also its residual and factor."""
         j = self._index[name]
-        if grad is None:
-            self._norms[0, j] = 0.0
-        else:
-            self._norms[0, j] = _norm(grad)
+        self._norms[0, j] = 0.0 if grad is None else _norm(grad)
         if self.compressor.config.rounds == 1:
             # The factor is summed in place once the bucket leaves: read it now.
             self._note_residual(j, name)
@@ -198,12 +207,7 @@ class LayerMonitor:
 
     def _fold(self) -> None:
         grad, residual, sent = self._norms
-        if self.compressor.config.error_feedback:
-            error = residual
-            matrix = torch.sqrt(residual.square() + sent.square())
-        else:  # the buffer holds M itself
-            matrix = residual
-            error = torch.sqrt((residual.square() - sent.square()).clamp_(min=0))
+        error, matrix = self._error_and_matrix(residual, sent)
         relative = error / matrix
         # A layer counts when it had a gradient and everything is finite (an
         # overflow step of AMP leaves NaN here: it must not stick in the average).

@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 
 import horovod_powersgd as hps
-import horovod_powersgd.optimizer as hps_optimizer
+from horovod_powersgd import comm as hps_comm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from fashion_mnist import Net  # the example's model
 
-WAITS = {"poll": hps_optimizer._wait, "spin": hvd.synchronize}
+WAITS = {"poll": hps_comm.wait, "spin": hvd.synchronize}
 
 
 def run(variant: str, steps: int, batch) -> list[float]:
@@ -37,7 +37,7 @@ def run(variant: str, steps: int, batch) -> list[float]:
     if variant == "plain":
         opt = hvd.DistributedOptimizer(sgd, model.named_parameters())
     else:
-        hps_optimizer._wait = WAITS[variant]
+        hps_comm.Comm.wait = staticmethod(WAITS[variant])  # the waits of every step
         opt = hps.DistributedOptimizer(sgd, model.named_parameters(), rank=2)
     times = []
     for i in range(steps + 5):  # 5 untimed: Horovod's first negotiations, warm-up steps

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "paral
 from helpers import batch, make_model
 
 import horovod_powersgd as hps
-from horovod_powersgd import schedule
+from horovod_powersgd import reducer
 
 
 def main():
@@ -36,7 +36,7 @@ def main():
     args = parser.parse_args()
     faulthandler.dump_traceback_later(45, exit=True)
     if args.small_buckets:
-        schedule.BUCKET_BYTES = 2048
+        reducer.BUCKET_BYTES = 2048
     hvd.init()
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

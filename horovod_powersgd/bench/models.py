@@ -8,9 +8,9 @@
   hidden size 650, decoder weight tied to the embedding. The vocabulary of
   28,869 tokens gives 28.95M parameters.
 * ``manyshapes``: 300 linear layers of random widths (32-288, fixed seed), so
-  nearly every layer is a shape of its own (issue 23: work batched per shape
-  alone cost 2.6-3.5x plain Horovod's step on such a model): 298 shapes,
-  8.15M parameters.
+  nearly every layer is a shape of its own, the case where work batched per
+  shape alone is slow (docs/benchmarks-overheads.md): 298 shapes, 8.15M
+  parameters.
 
 Both come with a synthetic batch maker: the benchmark measures speed and bytes,
 not accuracy, so the inputs are random tensors of the right shapes.

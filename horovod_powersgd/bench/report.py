@@ -132,7 +132,7 @@ NOTES_HEADING = "## Notes"  # everything from this heading on is hand-written an
 
 # (model, rank, description, numerator config, denominator config, bandwidth, upper limit)
 TIME_TARGETS = (
-    # issue 4: the two-round step
+    # the two-round step against torch's hook, no communication and plain Horovod
     (
         "resnet18",
         2,
@@ -145,15 +145,15 @@ TIME_TARGETS = (
     ("resnet18", 2, "PowerSGD / torch DDP powerSGD_hook", "powersgd", "ddp-powersgd", "1gbit", 0.9),
     ("resnet18", 2, "PowerSGD / local (no communication)", "powersgd", "local", "200mbit", 1.1),
     ("resnet18", 2, "PowerSGD / plain Horovod", "powersgd", "horovod", "unlimited", 1.1),
-    # issue 13: the one-round step
+    # the one-round step
     ("resnet18", 2, "1-round / local", "powersgd-1round", "local", "50mbit", 1.05),
     ("resnet18", 2, "1-round / 2-round", "powersgd-1round", "powersgd", "50mbit", 0.92),
     ("lstm", 4, "1-round / local", "powersgd-1round", "local", "50mbit", 1.05),
     ("lstm", 4, "1-round / torch powerSGD_hook", "powersgd-1round", "ddp-powersgd", "200mbit", 1.0),
-    # issue 24: per-layer statistics on (the default) / off
+    # per-layer statistics on (the default) / off
     ("resnet18", 2, "statistics on / off", "powersgd", "powersgd-nostats", "unlimited", 1.01),
     ("lstm", 4, "statistics on / off", "powersgd", "powersgd-nostats", "unlimited", 1.02),
-    # issue 23: a model of 300 distinct layer shapes
+    # a model of 300 distinct layer shapes
     ("manyshapes", 2, "PowerSGD / plain Horovod", "powersgd", "horovod", "unlimited", 1.5),
     ("manyshapes", 2, "1-round / plain Horovod", "powersgd-1round", "horovod", "unlimited", 1.5),
 )
@@ -340,7 +340,7 @@ def write_markdown(
         out += [f"![median step time]({os.path.relpath(plot, path.parent)})", ""]
     rows = target_rows(records)
     if rows:
-        out += ["## Targets (issues 4, 13, 23 and 24)", ""]
+        out += ["## Targets", ""]
         out += ["| target | measured | limit | |", "|---|---|---|---|"]
         out += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
         out.append("")

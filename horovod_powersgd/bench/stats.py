@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-# The keys of a JSON record, in the order the issue lists them.
+# The keys of a JSON record, in the order the report shows them.
 RECORD_KEYS = (
     "config",
     "model",

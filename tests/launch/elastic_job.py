@@ -64,7 +64,7 @@ def main():
                             "step": state.step,
                             "powersgd_step": opt.powersgd_step,
                             # the world size the error buffers belong to
-                            "residual_world": opt._synced_world_size,
+                            "residual_world": opt._agreement.world_size,
                             "loss": loss.item(),
                             "finite": bool(finite),
                             "params": checksum,

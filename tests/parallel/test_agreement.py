@@ -85,7 +85,7 @@ def test_a_fresh_optimizer_agrees_silently_and_costs_one_small_collective_once()
     finally:
         hvd.allgather = hvd_allgather
     assert not messages
-    assert [c for c in calls if c.endswith(".agree")] == [f"{opt._name}.agree"]
+    assert [c for c in calls if c.endswith(".agree")] == [f"{opt._comm.name}.agree"]
 
 
 # --- parameters that drift apart (issue 23, item 3) -----------------------------------------

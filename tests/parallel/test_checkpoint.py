@@ -92,10 +92,10 @@ def test_horovods_rank0_resume_from_the_main_file_keeps_the_shared_state(path, r
         resumed.load_state_dict(main["model"])
         with pytest.warns(UserWarning, match="error buffers, which start at zero"):
             resumed_opt.load_state_dict(main["optimizer"])
-        # The main file held the step counter, the memories and the RNG states.
+        # The main file held the step counter (the only one: the compressor's
+        # alternation follows it), the memories and the RNG states.
         assert resumed_opt.powersgd_step == 7
         loaded = resumed_opt.compressor.shared_state()
-        assert loaded["steps"] == shared["steps"]
         for kind in ("q_memory", "p_memory") if rounds == 1 else ("q_memory",):
             for name, tensor in shared[kind].items():
                 assert torch.equal(loaded[kind][name], tensor), (kind, name)

@@ -22,7 +22,7 @@ from helpers import (
 )
 
 import horovod_powersgd as hps
-from horovod_powersgd import schedule as schedule_module
+from horovod_powersgd import reducer as reducer_module
 
 SCHEDULES = [
     pytest.param((rounds, buckets), id=f"rounds{rounds}-{buckets}")
@@ -35,7 +35,7 @@ SCHEDULES = [
 def schedule(request, monkeypatch):
     rounds, buckets = request.param
     if buckets == "many-buckets":  # every layer its own bucket or two
-        monkeypatch.setattr(schedule_module, "BUCKET_BYTES", 2048)
+        monkeypatch.setattr(reducer_module, "BUCKET_BYTES", 2048)
     return rounds
 
 
@@ -119,18 +119,18 @@ def test_non_finite_gradient_on_one_rank_leaves_state_finite(schedule):
 
 
 def test_messages_leave_while_backward_still_runs(monkeypatch):
-    monkeypatch.setattr(schedule_module, "BUCKET_BYTES", 2048)
+    monkeypatch.setattr(reducer_module, "BUCKET_BYTES", 2048)
     model = make_model()
     first = model[0].weight  # the first layer's gradient is the last one backward makes
     launched_before_last_gradient = []
     first.register_post_accumulate_grad_hook(
-        lambda p: launched_before_last_gradient.append(len(opt._schedule.launched))
+        lambda p: launched_before_last_gradient.append(len(opt._reducer.launched))
     )
     opt = powersgd(model, rank=2, rounds=1)
-    assert len(opt._schedule.buckets) > 2
+    assert len(opt._reducer.buckets) > 2
     train(model, opt, steps=1)
     # every bucket but the first layer's own had left when its gradient arrived
-    assert launched_before_last_gradient == [len(opt._schedule.buckets) - 1]
+    assert launched_before_last_gradient == [len(opt._reducer.buckets) - 1]
 
 
 def test_rounds1_sends_q_and_p_on_alternate_steps():

@@ -14,7 +14,7 @@ from helpers import assert_same_on_every_rank, batch, make_model, powersgd, trai
 from torch import nn
 
 import horovod_powersgd as hps
-from horovod_powersgd import schedule as schedule_module
+from horovod_powersgd import reducer as reducer_module
 
 
 # --- Horovod's usual resume: rank 0 loads, then broadcasts ----------------------------------
@@ -127,7 +127,7 @@ def test_grad_scaler_skips_no_more_steps_with_fp16_on_the_wire(rounds):
 # --- gradients edited between backward() and step() ----------------------------------------
 @pytest.mark.parametrize("rounds", [2, 1])
 def test_gradient_replaced_before_step_gets_the_aggregate_like_horovod(rounds, monkeypatch):
-    monkeypatch.setattr(schedule_module, "BUCKET_BYTES", 2048)  # several buckets
+    monkeypatch.setattr(reducer_module, "BUCKET_BYTES", 2048)  # several buckets
     grads = {}
     for kind in ("horovod", "powersgd"):
         model = make_model()

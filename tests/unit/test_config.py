@@ -20,6 +20,7 @@ BAD = [
     ({"warm_start": "yes"}, "warm_start"),
     ({"seed": 1.5}, "seed"),
     ({"comm_dtype": torch.int8}, "comm_dtype"),
+    ({"comm_dtype": torch.bfloat16}, "comm_dtype=torch.bfloat16 cannot be sent"),
     ({"comm_dtype": "float16"}, "comm_dtype"),
     ({"backward_passes_per_step": 0}, "backward_passes_per_step"),
     ({"gradient_predivide_factor": 0.0}, "gradient_predivide_factor"),
@@ -43,7 +44,7 @@ def test_bad_setting_is_rejected_naming_the_field(kwargs, field):
     rate=st.floats(0, 1e6, allow_nan=False),
     passes=st.integers(1, 16),
     factor=st.floats(1e-3, 1e3, allow_nan=False),
-    comm_dtype=st.sampled_from([None, torch.float16, torch.bfloat16, torch.float32]),
+    comm_dtype=st.sampled_from([None, torch.float16, torch.float32, torch.float64]),
 )
 def test_every_valid_setting_is_accepted(rank, start_iter, rate, passes, factor, comm_dtype):
     cfg = PowerSGDConfig(

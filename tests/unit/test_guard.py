@@ -94,6 +94,17 @@ def test_a_large_tensor_is_folded_to_a_short_fingerprint():
     assert fingerprint(torch.zeros(1_000_000)).numel() < 5000
 
 
+class FakeComm:
+    """The guard's two collectives, in one process."""
+
+    def __init__(self, allgather, repaired):
+        self.allgather = allgather
+        self.repaired = repaired
+
+    def broadcast_(self, tensors, name):
+        self.repaired.extend(tensors)
+
+
 def test_a_check_names_the_parameters_whose_state_differs_and_repairs_them():
     a, b = torch.zeros(4, 4), torch.ones(3)
     state = {a: {"momentum_buffer": torch.ones(4, 4)}}
@@ -107,12 +118,7 @@ def test_a_check_names_the_parameters_whose_state_differs_and_repairs_them():
         gathered.append(mine)
         return torch.cat([mine, other])
 
-    guard = DriftGuard(
-        [("a", a), ("b", b)],
-        every=10,
-        allgather=allgather,
-        broadcast=lambda tensors, name: repaired.extend(tensors),
-    )
+    guard = DriftGuard([("a", a), ("b", b)], every=10, comm=FakeComm(allgather, repaired))
     assert [guard.due(step) for step in (1, 10, 15, 20)] == [False, True, False, True]
     assert guard.check(state) == ["a"]
     assert [t.data_ptr() for t in repaired] == [
@@ -137,6 +143,6 @@ def test_a_check_refuses_optimizer_states_of_different_layouts():
         other[0, 0] += 1  # another rank's state holds other tensors
         return torch.cat([mine, other])
 
-    guard = DriftGuard([("a", a)], every=1, allgather=allgather, broadcast=None)
+    guard = DriftGuard([("a", a)], every=1, comm=FakeComm(allgather, None))
     with pytest.raises(ValueError, match=r"parameter 'a' holds other tensors.*ranks \[1\]"):
         guard.check(state)

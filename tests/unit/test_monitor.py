@@ -10,14 +10,13 @@ from horovod_powersgd import ErrorGrowthWarning, PowerSGDCompressor, PowerSGDCon
 
 def drive(compressor, mon, grads, step):
     """One rounds=2 step of the compressor's docstring, one worker, with the monitor."""
-    compressor.begin_step()
+    compressor.begin_step(done=step - 1)
     for name, grad in grads.items():
         compressor.compress(name, grad)
         mon.compressed(name, grad)
     q = compressor.project(compressor.send_buffers())
     compressor.update_error()
     compressor.decompress(q)
-    compressor.end_step()
     mon.end_step(step, True, lambda: {"steps": step, "ratio": 10.0, "bytes_sent": 12345})
 
 

@@ -1,26 +1,29 @@
 """When each message of a step leaves: buckets, rounds, overlap with backward.
 
-No Horovod here: `DistributedOptimizer` hands in its collectives (an
-asynchronous grouped all-reduce, a poll, a wait) and the conversion of
-uncompressed gradients to and from the wire. The math is the compressor's.
+The only caller of the compressor's step protocol. It sends each bucket of
+gradients as soon as backward has produced all of it: one fused (grouped)
+all-reduce per bucket and round (rounds=2: P with the uncompressed gradients,
+then Q; rounds=1: the factors with them). No Horovod here: the collectives are
+those of a `comm.Comm`. A step, as the optimizer drives it:
 
-A step, as the optimizer drives it:
+    begin(done)                # a new step: PowerSGD after `done` >= 0 compressed
+                               # steps, else a plain all-reduce (warm-up)
+    ready(p)                   # p.grad is final: compress it; once its bucket is
+                               # complete, the bucket's first round leaves;
+                               # rounds=2 also starts the Q round of every
+                               # bucket whose P round is back
+    finish()                   # the rest of the rounds; p.grad holds the aggregates
 
-    begin(compressing)     # a new step: plain all-reduce (warm-up) or PowerSGD
-    ready(p)               # from the hook of each final gradient: once a bucket
-                           # is complete, its first round leaves; rounds=2 also
-                           # starts the Q round of every bucket whose P is back
-    finish()               # the rest of the rounds; p.grad holds the aggregates
+How a bucket's gradients travel is decided per bucket: `Bucket.compressed`
+(sent as P and Q) and `Bucket.uncompressed` (sent as they are, in the step's
+comm dtype). A warm-up step sends every gradient as it is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from .compressor import PowerSGDCompressor
-from .config import PowerSGDConfig
 
 # Gradients are sent in buckets of about this many bytes, in the order the
 # backward pass produces them (the reverse of the parameters' order, as DDP
@@ -41,7 +44,7 @@ class Bucket:
 
     def clear(self) -> None:
         self.ready = 0  # gradients final this step
-        self.handles: list = []  # round 1, then (rounds=2) round 2 (None: nothing to send)
+        self.handles: list = []  # round 1, then (rounds=2, with factors) round 2
         # Uncompressed tensors of round 1: (parameter, tensor sent, wire ctx).
         self.sent: list = []
         self.factor_count = 0  # leading tensors of round 1 that are P/Q buffers
@@ -62,84 +65,78 @@ def make_buckets(params: list[torch.Tensor]) -> list[Bucket]:
     return buckets
 
 
-class Schedule:
+class Reducer:
     """The communication of a step, bucket by bucket, for one optimizer.
 
     Args:
-        params: the parameters that get gradients, in the optimizer's order.
-        names: parameter -> its name (as the compressor knows it).
-        config: the settings (`rounds`, `comm_dtype`).
-        allreduce_async: (tensors, name) -> handle of a grouped all-reduce in place.
-        poll: handle -> whether it is done. wait: handle -> the reduced tensors.
-        to_wire: (gradient, comm_dtype or None) -> (tensor to send, ctx).
-        from_wire: (received tensor, ctx) -> the aggregated gradient.
+        buckets: the parameters that get gradients, in buckets (`make_buckets`).
+        names: parameter -> its name.
+        compressor: the PowerSGD state and math of the compressed parameters.
+        comm: the optimizer's collectives (`comm.Comm`).
+        monitor: the per-layer statistics (`monitor.LayerMonitor`), or None.
     """
 
     def __init__(
         self,
-        params: list[torch.Tensor],
+        buckets: list[Bucket],
         names: dict[torch.Tensor, str],
-        config: PowerSGDConfig,
-        *,
-        allreduce_async: Callable,
-        poll: Callable,
-        wait: Callable,
-        to_wire: Callable,
-        from_wire: Callable,
+        compressor: PowerSGDCompressor,
+        comm,
+        monitor=None,
     ):
-        self.config = config
-        self.names = names
-        self.allreduce_async, self.poll, self.wait = allreduce_async, poll, wait
-        self.to_wire, self.from_wire = to_wire, from_wire
-        self.buckets = make_buckets(params)
+        self.names, self.compressor, self.comm, self.monitor = names, compressor, comm, monitor
+        self.comm_dtype = compressor.config.comm_dtype
+        self.two_rounds = compressor.schedule.rounds == 2
+        self.buckets = buckets
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
-        self.compressor = PowerSGDCompressor(
-            [(names[p], p) for p in params],
-            config,
-            bucket_of={names[p]: b.index for p, b in self._bucket_of.items()},
-        )
+        self._compressed = {p for p in self._bucket_of if compressor.is_compressed(names[p])}
         for b in self.buckets:
             for p in b.params:
-                compressed = self.compressor.is_compressed(names[p])
-                (b.compressed if compressed else b.uncompressed).append(p)
+                (b.compressed if p in self._compressed else b.uncompressed).append(p)
         self.launched: list[Bucket] = []  # buckets whose first round is in flight
+        self.done: set[torch.Tensor] = set()  # parameters whose gradient is final this step
+        self.in_step = False
         self.compressing = False
 
-    def begin(self, compressing: bool) -> None:
-        """A new step: PowerSGD (`compressing`) or Horovod's plain all-reduce."""
-        self.compressing = compressing
+    def begin(self, done: int) -> None:
+        """A new step: PowerSGD after `done` >= 0 compressed steps, else (warm-up) plain."""
+        self.in_step, self.compressing = True, done >= 0
+        if self.compressing:
+            self.compressor.begin_step(self.comm.size, done)
 
     def ready(self, p: torch.Tensor) -> None:
-        """`p.grad` is final for this step (compressed already, where it is compressed)."""
+        """`p.grad` is final for this step: compress it, and send its bucket once complete."""
         bucket = self._bucket_of[p]
+        if self.compressing and p in self._compressed:
+            self.compressor.compress(self.names[p], p.grad)  # layer by layer during backward
+            if self.monitor is not None:
+                self.monitor.compressed(self.names[p], p.grad)
+        self.done.add(p)
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             self._launch(bucket)
-        self._progress()
+        if self.two_rounds and self.compressing:
+            for b in self.launched:  # the Q round of every bucket whose P is back
+                if b.factor_count and len(b.handles) == 1 and self.comm.poll(b.handles[0]):
+                    self._second_round(b)
 
     def finish(self) -> None:
-        """Complete every round; afterwards each `p.grad` holds its aggregate."""
-        two_rounds = self.compressing and self.config.rounds == 2
+        """Complete every round; afterwards each `p.grad` holds its aggregate (then `reset`)."""
+        two_rounds = self.compressing and self.two_rounds
         for bucket in self.buckets:
-            if two_rounds and len(bucket.handles) == 1:
+            if two_rounds and bucket.factor_count and len(bucket.handles) == 1:
                 self._second_round(bucket)
         for bucket in self.buckets:
-            if two_rounds:
-                self._receive_uncompressed(bucket, bucket.received)
-                if bucket.handles[1] is not None:
-                    self._decompress(bucket, self.wait(bucket.handles[1]))
-                continue
-            outputs = self.wait(bucket.handles[0])
-            self._receive_uncompressed(bucket, outputs[bucket.factor_count :])
+            last = self.comm.wait(bucket.handles[-1])
+            if len(bucket.handles) == 1:  # one round: the factors lead, the uncompressed follow
+                bucket.received, last = last[bucket.factor_count :], last[: bucket.factor_count]
+            self._receive_uncompressed(bucket, bucket.received)
             if bucket.factor_count:
-                self._decompress(bucket, outputs[: bucket.factor_count])
-        if self.compressing:
-            self.compressor.end_step()
-        self.reset()
+                self._decompress(bucket, last)
 
     def reset(self) -> None:
         """Forget the step in progress (after it, or when the optimizer loads a state)."""
-        self.launched = []
+        self.launched, self.done, self.in_step = [], set(), False
         for bucket in self.buckets:
             bucket.clear()
 
@@ -156,32 +153,22 @@ class Schedule:
         # Warm-up steps are plain Horovod; compressed steps send everything in
         # comm_dtype (where one is set), the uncompressed gradients included.
         plain = bucket.uncompressed if self.compressing else bucket.params
-        comm_dtype = self.config.comm_dtype if self.compressing else None
-        bucket.sent = [(p, *self.to_wire(p.grad, comm_dtype)) for p in plain]
+        comm_dtype = self.comm_dtype if self.compressing else None
+        bucket.sent = [(p, *self.comm.to_wire(p.grad, comm_dtype)) for p in plain]
         factors = self.compressor.send_buffers(bucket.index) if self.compressing else []
         bucket.factor_count = len(factors)
         tensors = factors + [t for _, t, _ in bucket.sent]
-        bucket.handles = [self.allreduce_async(tensors, f"b{bucket.index}.r1")]
+        bucket.handles = [self.comm.allreduce_async(tensors, f"b{bucket.index}.r1")]
         self.launched.append(bucket)
 
-    def _progress(self) -> None:
-        """rounds=2: start the Q round of every bucket whose P round is back, without waiting."""
-        if self.config.rounds == 1 or not self.compressing:
-            return
-        for bucket in self.launched:
-            if len(bucket.handles) == 1 and self.poll(bucket.handles[0]):
-                self._second_round(bucket)
-
     def _second_round(self, bucket: Bucket) -> None:
-        outputs = self.wait(bucket.handles[0])
+        """rounds=2: P is back; orthogonalise it and send Q (the error update overlaps)."""
+        outputs = self.comm.wait(bucket.handles[0])
         # The uncompressed results go into p.grad in finish(), as Horovod's do.
         bucket.received = outputs[bucket.factor_count :]
-        if not bucket.factor_count:
-            bucket.handles.append(None)
-            return
         q_buffers = self.compressor.project(outputs[: bucket.factor_count], bucket.index)
-        bucket.handles.append(self.allreduce_async(q_buffers, f"b{bucket.index}.r2"))
-        self.compressor.update_error(bucket.index)  # overlapping the Q collective
+        bucket.handles.append(self.comm.allreduce_async(q_buffers, f"b{bucket.index}.r2"))
+        self.compressor.update_error(bucket.index)
 
     def _receive_uncompressed(self, bucket: Bucket, outputs) -> None:
         """Write the bucket's aggregated uncompressed gradients into `p.grad`.
@@ -190,7 +177,7 @@ class Schedule:
         tensor to `p.grad` after backward (e.g. a clamp) gets the result there.
         """
         for (p, _, ctx), out in zip(bucket.sent, outputs):
-            out = self.from_wire(out, ctx)
+            out = self.comm.from_wire(out, ctx)
             if p.grad is None:
                 p.grad = out.to(p.dtype)
             elif out is not p.grad:

@@ -1,0 +1,270 @@
+"""What every rank must agree on: the model and settings, and the shared PowerSGD state.
+
+* `check_same_model`: when an optimizer is built (and at every elastic sync),
+  one small all-gather compares a digest of every rank's parameters, PowerSGD
+  settings and wrapped-optimizer settings; where they differ, every rank raises
+  the same error naming the difference, instead of mismatched collectives.
+* `Agreement`: the Q (and P) memory, RNG states and step counter must be equal
+  on every rank, since P = M·Q is summed across ranks. After construction and
+  after any load, the first step compares a digest of them and, where they
+  differ, takes the state of the rank that loaded one.
+* `ElasticHandler`: elastic Horovod's state sync for our optimizers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import warnings
+
+import torch
+
+from . import comm as hvd_comm
+
+# An option our state_dict() adds to its first param group. hvd.broadcast_optimizer_state
+# broadcasts every option of the root's param groups (the learning rate, ...) and sets
+# it on every rank, so after it every rank finds this key in its param groups and
+# agrees on the shared PowerSGD state at the next step, also when only the root had
+# loaded a state in the middle of training (the others could not know otherwise).
+SYNC_KEY = "powersgd_agree"
+# Param-group entries that are not settings of the wrapped optimizer.
+_NOT_SETTINGS = ("params", "param_names", SYNC_KEY)
+
+
+# --- the same model on every rank ---------------------------------------------------------
+def _settable(value):
+    """`value` if it is plain data (compared by value across ranks), else its type's name.
+
+    An object's repr may hold its address, which differs on every rank.
+    """
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_settable(v) for v in value)
+    if isinstance(value, torch.Tensor) and value.numel() <= 16:
+        return repr(value.detach().cpu())
+    return type(value).__qualname__
+
+
+def signature(opt, optimizer_settings: bool = True) -> list[tuple]:
+    """What must be equal on every rank: parameters, settings, the wrapped optimizer's.
+
+    `optimizer_settings`: the wrapped optimizer's type and param-group settings
+    too (not in an elastic sync, where a joining worker's learning rate is the
+    initial one until broadcast_optimizer_state brings the others').
+    """
+    compression = getattr(opt.compression, "__qualname__", type(opt.compression).__name__)
+    rows = [(opt._names[p], tuple(p.shape), str(p.dtype)) for p in opt._params]
+    rows.append(("config", repr(opt.config), str(opt.op), compression))
+    if optimizer_settings:
+        rows.append(("optimizer", opt._base.__qualname__))
+        for index, group in enumerate(opt.param_groups):
+            for key in sorted(k for k in group if k not in _NOT_SETTINGS):
+                rows.append(("setting", index, key, _settable(group[key])))
+    return rows
+
+
+def check_same_model(comm, rows: list[tuple]) -> None:
+    """Raise ValueError on every rank alike if `rows` (a `signature`) differ across ranks."""
+    blob = pickle.dumps(rows)
+    digest = torch.frombuffer(bytearray(hashlib.sha256(blob).digest()), dtype=torch.uint8)
+    digests = comm.allgather(digest.view(1, -1), "signature")
+    if bool((digests == digests[0]).all()):
+        return
+    # Rare path: gather everything to say precisely what differs.
+    for other_rank, other_blob in enumerate(comm.allgather_bytes(blob, "signature.full")):
+        other = pickle.loads(other_blob)
+        if other != rows:
+            raise ValueError(
+                "the model or PowerSGD settings differ across ranks: "
+                + _first_difference(rows, other, comm.set_rank, other_rank)
+            )
+
+
+def _first_difference(mine, other, my_rank, other_rank) -> str:
+    kinds = [[row for row in rows if row[0] == "optimizer"] for rows in (mine, other)]
+    if kinds[0] != kinds[1]:
+        return (
+            f"the wrapped optimizer is {kinds[0][0][1] if kinds[0] else '?'} on rank {my_rank} "
+            f"and {kinds[1][0][1] if kinds[1] else '?'} on rank {other_rank}"
+        )
+    mine_settings = {row[1:3]: row for row in mine if row[0] == "setting"}
+    other_settings = {row[1:3]: row for row in other if row[0] == "setting"}
+    for where in sorted(mine_settings.keys() | other_settings.keys()):
+        a, b = mine_settings.get(where), other_settings.get(where)
+        if a != b:
+            index, key = where
+            show = [("unset" if row is None else repr(row[3])) for row in (a, b)]
+            return (
+                f"optimizer setting {key!r} of param group {index} is {show[0]} on rank "
+                f"{my_rank} and {show[1]} on rank {other_rank}; build the same optimizer on "
+                "every rank"
+            )
+    mine = [row for row in mine if row[0] not in ("setting", "optimizer")]
+    other = [row for row in other if row[0] not in ("setting", "optimizer")]
+    if len(mine) != len(other):
+        return (
+            f"rank {my_rank} has {len(mine) - 1} parameters with gradients, "
+            f"rank {other_rank} has {len(other) - 1}"
+        )
+    for a, b in zip(mine, other):
+        if a != b:
+            if a[0] == "config":
+                return f"settings on rank {my_rank}: {a[1:]}; on rank {other_rank}: {b[1:]}"
+            return (
+                f"parameter {a[0]!r} {a[1:]} on rank {my_rank}, "
+                f"{b[0]!r} {b[1:]} on rank {other_rank}"
+            )
+    return "unknown difference"
+
+
+# --- the same shared PowerSGD state on every rank -------------------------------------------
+def _raw_bytes(tensor: torch.Tensor):
+    """The bytes of `tensor`'s elements, in order, as a numpy array (any dtype, any strides).
+
+    Flattened first: a view with a size-1 dimension (a rank-1 Q memory, m x 1) is
+    "contiguous" with a last stride > 1, which a byte view refuses.
+    """
+    return tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy()
+
+
+def state_digest(step: int, shared: dict) -> list[int]:
+    """SHA-256 of the step counter and the shared PowerSGD state, as 4 int64 numbers."""
+    h = hashlib.sha256(str(step).encode())
+    for key in sorted(shared):
+        value = shared[key]
+        h.update(key.encode())
+        if isinstance(value, dict):
+            for name in sorted(value):
+                h.update(name.encode())
+                h.update(_raw_bytes(value[name]))
+        elif isinstance(value, list):
+            for tensor in value:
+                h.update(_raw_bytes(tensor))
+        else:
+            h.update(repr(value).encode())
+    return [int.from_bytes(h.digest()[i : i + 8], "little", signed=True) for i in (0, 8, 16, 24)]
+
+
+class Agreement:
+    """Whether the ranks must agree on the shared PowerSGD state before the next step.
+
+    Args:
+        active: this rank is in the optimizer's process set.
+        world_size: the process set's size now.
+    """
+
+    def __init__(self, active: bool, world_size: int):
+        self.active = active
+        self.pending = active  # agree before the next step's first collective
+        self.loaded = False  # this rank loaded a state since the last agreement
+        self.world_size = world_size  # the process set's size at the last agreement
+
+    def request(self, loaded: bool = False) -> None:
+        """Agree at the next step (after this rank loaded a state, if `loaded`)."""
+        self.pending = self.active
+        self.loaded = self.loaded or loaded
+
+    def begin_step(self, opt) -> None:
+        """At a step's first hook, before its first collective: agree if due, resized?"""
+        if any(SYNC_KEY in group for group in opt.param_groups):
+            self._broadcast_ran(opt)
+        if self.pending:
+            self.agree(opt)  # may change the step counter: first
+        if opt._comm.size != self.world_size:
+            self._resized(opt)
+
+    def _resized(self, opt) -> None:
+        # Elastic Horovod skips the state sync when workers only left, so the
+        # world size is checked at every step too: residuals of another world
+        # size are stale.
+        opt.compressor.reset_error()
+        self.world_size = opt._comm.size
+
+    def _broadcast_ran(self, opt) -> None:
+        """hvd.broadcast_optimizer_state ran (see SYNC_KEY): every rank agrees now."""
+        for group in opt.param_groups:
+            group.pop(SYNC_KEY, None)
+        self.pending = self.active
+
+    def agree(self, opt) -> None:
+        """Make every rank hold the same shared PowerSGD state before a step's collectives.
+
+        One small all-gather compares a digest of the step counter, Q (and P)
+        memory and RNG states. Equal everywhere (the usual case): nothing more.
+        Otherwise (say rank 0 alone loaded a checkpoint, and no
+        `hvd.broadcast_optimizer_state` followed, which SGD without momentum
+        does not need), the state of the lowest rank that loaded one (else the
+        first rank) goes to every rank, with a warning on every rank, instead
+        of the ranks disagreeing on warm-up, phase or shapes in the next
+        collective (a hang or a shape mismatch).
+        """
+        self.pending = False
+        opt._guard.request()  # every rank is here: a collective
+        digest = state_digest(opt.powersgd_step, opt.compressor.shared_state())
+        mine = torch.tensor([[int(self.loaded), *digest]], dtype=torch.int64)
+        everyone = opt._comm.allgather(mine, "agree").tolist()
+        self.loaded = False
+        if all(row[1:] == everyone[0][1:] for row in everyone):
+            return
+        root = next((r for r, row in enumerate(everyone) if row[0]), 0)
+        self.broadcast(opt, hvd_comm.members(opt.process_set)[root])
+
+    def broadcast(self, opt, root_rank: int) -> None:
+        """`opt.broadcast_powersgd_state`: see there."""
+        comm = opt._comm
+        shared = opt.compressor.shared_state()
+        payload = {"compressor": shared, "step": opt.powersgd_step, "stats": comm.counters()}
+        payload = comm.broadcast_object(payload, root_rank, "sync")
+        root = payload["compressor"]
+        changed = payload["step"] != opt.powersgd_step or any(
+            not torch.equal(theirs.to(mine.device), mine)
+            for theirs, mine in zip(root["q_memory"].values(), shared["q_memory"].values())
+        )
+        opt.compressor.load_shared_state(root)
+        opt.powersgd_step = payload["step"]
+        comm.set_counters(payload["stats"])
+        self.pending = self.loaded = False
+        opt._guard.request()
+        # One small all-gather tells every rank which ranks took the root's
+        # state and whether any rank saw the world change (a worker that just
+        # joined did not), so that all decide and warn alike: a warning on some
+        # ranks only would, under -W error, raise there and leave the others
+        # waiting in the next collective.
+        flags = comm.allgather(
+            torch.tensor(
+                [[int(changed and hvd_comm.rank() != root_rank), int(comm.size != self.world_size)]]
+            ),
+            "sync.changed",
+        ).tolist()
+        self.world_size = comm.size
+        members = hvd_comm.members(opt.process_set)
+        took_over = [members[r] for r, (took, _) in enumerate(flags) if took]
+        if any(resized for _, resized in flags):
+            opt.compressor.reset_error()  # every residual was a share of the old world's sum
+            opt._reset_monitor()
+        elif took_over:
+            if hvd_comm.rank() in took_over:
+                opt.compressor.reset_error()
+                opt._reset_monitor()
+            warnings.warn(
+                f"rank(s) {took_over} took the PowerSGD state of rank {root_rank} (step "
+                f"{opt.powersgd_step}): their error buffers start at zero",
+                stacklevel=3,
+            )
+
+
+class ElasticHandler(hvd_comm.OptimizerStateHandler):
+    """`hvd.elastic.TorchState` handler for our optimizers.
+
+    On every sync (start, and after each change of workers) it checks that all
+    ranks hold the same model, brings the first rank's shared PowerSGD state to
+    every rank (`broadcast_powersgd_state`), then does what the stock optimizer
+    handler does: `hvd.broadcast_optimizer_state`.
+    """
+
+    def sync(self):
+        opt = self.value
+        check_same_model(opt._comm, signature(opt, optimizer_settings=False))
+        opt.broadcast_powersgd_state()
+        super().sync()

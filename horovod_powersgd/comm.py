@@ -1,0 +1,267 @@
+"""Everything that talks to Horovod: the only module of the library that imports it.
+
+`Comm` holds one optimizer's collectives over its process set, named apart from
+every other optimizer's, and counts what it sends. `Collective` adds a deadline
+to the collectives of a call that every rank must make (the checkpoints).
+Horovod's names that the rest of the library needs (ops, compression, the
+process set, the elastic state handlers) are re-exported here.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import pickle
+import time
+
+import horovod.torch as hvd
+import torch
+from horovod.torch.compression import FP16Compressor
+from horovod.torch.elastic import state as _elastic_state
+
+from .config import COMM_DTYPES
+
+Average, Sum, Adasum = hvd.Average, hvd.Sum, hvd.Adasum
+Compression, ProcessSet, global_process_set = (
+    hvd.Compression,
+    hvd.ProcessSet,
+    hvd.global_process_set,
+)
+# hvd.broadcast_optimizer_state treats an optimizer of this module as Horovod's own.
+HOROVOD_OPTIMIZER_MODULE = hvd.DistributedOptimizer.__module__
+OptimizerStateHandler = _elastic_state.OptimizerStateHandler
+# Dtypes Horovod 0.28 can broadcast; others (bfloat16, bool) travel as their bytes.
+_BROADCASTABLE = (*COMM_DTYPES, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+# The ctx of a gradient cast to comm_dtype for the wire (not the user's compression).
+_CAST = object()
+# Each optimizer gets its own collective names: a count per process set, since
+# the ranks of a process set build their optimizers in the same order.
+_instances: dict = collections.defaultdict(itertools.count)
+
+# hvd.synchronize() waits by spinning on sched_yield, which keeps a core busy
+# for as long as the collective takes. Where ranks share cores with each other
+# or with Horovod's background threads (the other ranks' backward pass, the
+# negotiation that completes the collective), that core is taken from the very
+# work being waited for. Our waits poll and sleep instead; the added latency is
+# at most about one interval per round.
+_POLL_INTERVAL_S = 100e-6
+
+
+def wait(handle):
+    """hvd.synchronize(handle), without keeping a core busy while it is pending."""
+    while not hvd.poll(handle):
+        time.sleep(_POLL_INTERVAL_S)
+    return hvd.synchronize(handle)
+
+
+def wait_until(handle, timeout: float | None, late):
+    """`wait`, but raise `late()` once it has been pending `timeout` s (None: never)."""
+    deadline = None if not timeout else time.monotonic() + timeout
+    while not hvd.poll(handle):
+        if deadline is not None and time.monotonic() > deadline:
+            raise late()
+        time.sleep(_POLL_INTERVAL_S)
+    return hvd.synchronize(handle)
+
+
+def rank() -> int:
+    """This process's global rank."""
+    return hvd.rank()
+
+
+def first_rank(process_set) -> int:
+    """The global rank of `process_set`'s first member (Horovod's root ranks are global)."""
+    return 0 if process_set.ranks is None else process_set.ranks[0]
+
+
+def members(process_set) -> list[int]:
+    """The global ranks of `process_set`'s members, in set-rank order."""
+    return list(range(hvd.size())) if process_set.ranks is None else list(process_set.ranks)
+
+
+def is_fp16(compression) -> bool:
+    """Whether `compression` is Horovod's float16 compressor (class or instance)."""
+    return (
+        isinstance(compression, type) and issubclass(compression, FP16Compressor)
+    ) or isinstance(compression, FP16Compressor)
+
+
+def register_state_handler(optimizer_type: type, handler: type) -> None:
+    """Make hvd.elastic.TorchState sync optimizers of `optimizer_type` with `handler`."""
+    # TorchState picks the first handler whose type matches: ours first.
+    _elastic_state.set_handler_registry(
+        [(optimizer_type, handler), *_elastic_state.get_handler_registry()]
+    )
+
+
+class Comm:
+    """One optimizer's collectives over `process_set`, counting the elements it sends.
+
+    Args:
+        process_set: the Horovod process set.
+        op: hvd.Average or hvd.Sum, for the gradients' all-reduces.
+        compression: Horovod's compressor of the tensors that travel uncompressed.
+        predivide: Horovod's gradient_predivide_factor (with Average).
+    """
+
+    def __init__(
+        self, process_set, op=hvd.Average, compression=hvd.Compression.none, predivide=1.0
+    ):
+        self.process_set, self.op, self.compression = process_set, op, compression
+        set_id = process_set.process_set_id
+        self.name = f"powersgd.{set_id}.{next(_instances[set_id])}"
+        self.scale = {}
+        if op == hvd.Average:  # divide before the sum and after, as Horovod does
+            self.scale = {"prescale_factor": 1.0 / predivide, "postscale_factor": predivide}
+        self.elements_sent = 0  # handed to all-reduces of gradients, P and Q so far
+        self.bytes_sent = 0
+
+    @property
+    def size(self) -> int:
+        return self.process_set.size()
+
+    @property
+    def set_rank(self) -> int:
+        return self.process_set.rank()
+
+    def included(self) -> bool:
+        return self.process_set.included()
+
+    def counters(self) -> dict:
+        """What this rank sent so far (saved with the optimizer's state)."""
+        return {"elements_sent": self.elements_sent, "bytes_sent": self.bytes_sent}
+
+    def set_counters(self, counters: dict) -> None:
+        self.elements_sent, self.bytes_sent = counters["elements_sent"], counters["bytes_sent"]
+
+    # --- every step -----------------------------------------------------------------
+    def allreduce_async(self, tensors: list[torch.Tensor], name: str):
+        """One grouped all-reduce of `tensors` in place (op, scaling as set), counted."""
+        self.elements_sent += sum(t.numel() for t in tensors)
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+        return hvd.grouped_allreduce_async_(
+            tensors, name=f"{self.name}.{name}", op=self.op, process_set=self.process_set,
+            **self.scale,
+        )  # fmt: skip
+
+    poll = staticmethod(hvd.poll)
+    wait = staticmethod(wait)
+
+    def to_wire(self, grad: torch.Tensor, comm_dtype: torch.dtype | None):
+        """(tensor to all-reduce, ctx) for a gradient that travels uncompressed.
+
+        Compressed steps send everything in `comm_dtype` where one is set;
+        otherwise the user's Horovod `compression` applies, as in Horovod.
+        """
+        if comm_dtype is not None:
+            return (grad if grad.dtype == comm_dtype else grad.to(comm_dtype)), _CAST
+        tensor, ctx = self.compression.compress(grad)
+        if tensor.is_floating_point() and tensor.dtype not in COMM_DTYPES:
+            tensor = tensor.float()  # bfloat16: Horovod 0.28 cannot reduce it
+        return tensor, ctx
+
+    def from_wire(self, tensor: torch.Tensor, ctx) -> torch.Tensor:
+        """The aggregate of a `to_wire` tensor (the caller copies it into p.grad)."""
+        return tensor if ctx is _CAST else self.compression.decompress(tensor, ctx)
+
+    # --- now and then ---------------------------------------------------------------
+    def allgather(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Every rank's `tensor`, stacked along the first dimension in set-rank order."""
+        return hvd.allgather(tensor, name=f"{self.name}.{name}", process_set=self.process_set)
+
+    def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """The sum of `tensor` over the ranks, the same on every rank (not counted)."""
+        return hvd.allreduce(
+            tensor, op=hvd.Sum, name=f"{self.name}.{name}", process_set=self.process_set
+        )
+
+    def broadcast_object(self, obj, root_rank: int, name: str):
+        """Global rank `root_rank`'s `obj`, on every rank of the set."""
+        return hvd.broadcast_object(
+            obj, root_rank=root_rank, name=f"{self.name}.{name}", process_set=self.process_set
+        )
+
+    def allgather_bytes(self, blob: bytes, name: str) -> list[bytes]:
+        """Every rank's `blob`, in set-rank order."""
+        return Collective("", self.process_set, None).allgather_bytes(blob, f"{self.name}.{name}")
+
+    def broadcast_(self, tensors: list[torch.Tensor], name: str) -> None:
+        """Overwrite `tensors` with those of the process set's first rank."""
+        root = first_rank(self.process_set)
+        handles, copies = [], []
+        for i, t in enumerate(tensors):
+            wire = t
+            if t.dtype not in _BROADCASTABLE:
+                # bfloat16, bool: Horovod 0.28 cannot broadcast them, but their bytes.
+                wire = t.detach().contiguous().reshape(-1).view(torch.uint8)
+                if wire.data_ptr() != t.data_ptr():
+                    copies.append((t, wire))
+            handles.append(
+                hvd.broadcast_async_(
+                    wire, root_rank=root, name=f"{self.name}.{name}.{i}",
+                    process_set=self.process_set,
+                )
+            )  # fmt: skip
+        for handle in handles:
+            wait(handle)
+        for t, wire in copies:  # a non-contiguous tensor travelled as a copy
+            t.copy_(wire.view(t.dtype).view(t.shape))
+
+
+class Collective:
+    """Collectives of a call that every rank of `process_set` must make, with a deadline.
+
+    A Horovod collective waits for ever for a rank that never joins it (say, a
+    function called under `if hvd.rank() == 0:`); these raise `TimeoutError`,
+    naming `what`, after `timeout` seconds instead (None or 0: wait for ever).
+    """
+
+    def __init__(self, what: str, process_set, timeout: float | None, hint: str = ""):
+        self.what, self.process_set, self.timeout, self.hint = what, process_set, timeout, hint
+
+    def _late(self):
+        return TimeoutError(
+            f"{self.what} waited {self.timeout:g} s on rank {hvd.rank()} for the other ranks "
+            f"of its process set {members(self.process_set)}: it is collective, so every one "
+            f"of them must call it{self.hint}"
+        )
+
+    def _wait(self, handle):
+        return wait_until(handle, self.timeout, self._late)
+
+    def allgather_bytes(self, blob: bytes, name: str) -> list[bytes]:
+        """Every rank's `blob`, in set-rank order."""
+        data = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        sizes = self._wait(
+            hvd.allgather_async(
+                torch.tensor([data.numel()]), name=f"{name}.sizes", process_set=self.process_set
+            )
+        )
+        gathered = self._wait(
+            hvd.allgather_async(data, name=f"{name}.data", process_set=self.process_set)
+        )
+        out, offset = [], 0
+        for size in sizes.tolist():
+            out.append(gathered[offset : offset + size].numpy().tobytes())
+            offset += size
+        return out
+
+    def allgather_object(self, obj, name: str) -> list:
+        """`obj` of every rank of the process set, in rank order."""
+        return [pickle.loads(b) for b in self.allgather_bytes(pickle.dumps(obj), name)]
+
+    def broadcast_object(self, obj, name: str):
+        """The process set's first rank's `obj`, on every rank of the set."""
+        root = first_rank(self.process_set)
+        data = pickle.dumps(obj) if hvd.rank() == root else b""
+        size = torch.tensor([len(data)])
+        self._wait(
+            hvd.broadcast_async_(size, root, name=f"{name}.size", process_set=self.process_set)
+        )
+        buffer = torch.zeros(int(size), dtype=torch.uint8)
+        if hvd.rank() == root:
+            buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self._wait(
+            hvd.broadcast_async_(buffer, root, name=f"{name}.data", process_set=self.process_set)
+        )
+        return pickle.loads(buffer.numpy().tobytes())

@@ -1,0 +1,306 @@
+"""Where PowerSGD's state lives: buffers allocated once, and views into them.
+
+* `ShapeGroup`: the compressed matrices of one shape (n, m) and rank r; their M,
+  P, Q and memories are stacked (k, n, m) / (k, r, n) / (k, r, m) tensors, so
+  every power-iteration half is one batched matmul per group.
+* `Factors`: the groups of one bucket (the unit of communication) that share a
+  device and dtype. The P and Q of all its groups are views into one flat
+  buffer each, so each of the bucket's messages is one collective.
+* `PaddedBatch`: same-side factors of several groups, orthogonalised together.
+
+No math of a step here (that is compressor.py), and no communication.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from .linalg import matrix_shape
+
+
+@dataclass
+class ShapeGroup:
+    """Compressed matrices of one shape (n, m), rank r, dtype and device, in one bucket."""
+
+    n: int
+    m: int
+    rank: int
+    names: list[str] = field(default_factory=list)
+    shapes: list[torch.Size] = field(default_factory=list)  # of the parameters, by name
+    # rounds=1: the factor sent on even and on odd steps. Alternating, except
+    # at full rank, where the factor whose orthonormal partner is square goes
+    # every step (P̂·P̂ᵀ = I, or Q̂·Q̂ᵀ = I, makes that step exact).
+    sends: tuple[str, str] = ("q", "p")
+    # Filled in by Factors.allocate(). P and Q are stored transposed, (k, r, n)
+    # and (k, r, m): then both power-iteration halves read M row by row
+    # (Pᵀ = Qᵀ·Mᵀ and Qᵀ = P̂ᵀ·M), which on the CPU is 2-3x faster than
+    # Mᵀ·P̂ with its strided reads of M.
+    matrices: torch.Tensor | None = None  # (k, n, m): M during a step, error buffer between steps
+    pt: torch.Tensor | None = None  # (k, r, n): P (rounds=2: P, then P̂; rounds=1: P_w)
+    qt_local: torch.Tensor | None = None  # (k, r, m): this worker's Q_wᵀ = P̂ᵀ·M
+    qt_memory: torch.Tensor | None = None  # (k, r, m): warm start, identical on every rank
+    pt_memory: torch.Tensor | None = None  # (k, r, n): rounds=1 only, like qt_memory
+    pt_comm: torch.Tensor | None = None  # (k, r, n) view into the bucket's P comm buffer
+    qt_comm: torch.Tensor | None = None  # (k, r, m) view into the bucket's Q comm buffer
+    p_offset: int = 0  # where this group's P and Q start in the flat buffers
+    q_offset: int = 0
+    first: int = 0  # index of its first matrix among the bucket's (groups in order)
+    # float16 on the wire only: P and Q leave multiplied by these powers of two
+    # (k, 1, 1), so that they sit well inside float16's range (linalg.wire_scale).
+    p_scale: torch.Tensor | None = None
+    q_scale: torch.Tensor | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+    @property
+    def p(self) -> torch.Tensor:
+        """(k, n, r) view of P."""
+        return self.pt.transpose(1, 2)
+
+    @property
+    def q_local(self) -> torch.Tensor:
+        """(k, m, r) view of this worker's Q_w."""
+        return self.qt_local.transpose(1, 2)
+
+    @property
+    def q_memory(self) -> torch.Tensor:
+        """(k, m, r) view of the Q memory."""
+        return self.qt_memory.transpose(1, 2)
+
+    @property
+    def p_memory(self) -> torch.Tensor:
+        """(k, n, r) view of the P memory (rounds=1)."""
+        return self.pt_memory.transpose(1, 2)
+
+    def factor(self, kind: str, flat: torch.Tensor) -> torch.Tensor:
+        """This group's (k, r, x) view of a flat P ("p") or Q ("q") buffer."""
+        offset, length = (self.q_offset, self.m) if kind == "q" else (self.p_offset, self.n)
+        size = self.count * self.rank * length
+        return flat[offset : offset + size].view(self.count, self.rank, length)
+
+
+class PaddedBatch:
+    """Same-side factors of several groups, orthogonalised as one zero-padded batch.
+
+    `orthogonalize_` costs about 40 small operations per call, whatever the
+    batch: called once per shape, it dominated the step of a model with
+    hundreds of shapes, and on an accelerator each is a kernel launch. Zero
+    rows and zero columns change neither the norms nor the projections of the
+    real ones, and `orthogonalize_` keeps a zero column zero, so each matrix
+    comes out as it would alone (up to rounding, which is the same on every
+    rank). A batch holds groups at most twice as long as its shortest, so
+    padding at most doubles that work. Factors move between the bucket's flat
+    buffers and the batch with one indexed copy each way; a batch of one group
+    works on the flat buffer's view, without copies.
+
+    Tensors are in the groups' transposed layout, (k, r, x); `side` "p" pads
+    P-shaped factors (x = n, flat buffers in P's layout), "q" Q-shaped ones
+    (x = m, Q's layout).
+    """
+
+    def __init__(self, groups: list[ShapeGroup], side: str, dtype, device, draws: bool):
+        self.groups = groups
+        self.side = side
+        lengths = [g.n if side == "p" else g.m for g in groups]
+        offsets = [g.p_offset if side == "p" else g.q_offset for g in groups]
+        self.spans = []  # (first matrix, end) of each group in the batch
+        for g in groups:
+            start = self.spans[-1][1] if self.spans else 0
+            self.spans.append((start, start + g.count))
+        self.single = (offsets[0], groups[0].count, groups[0].rank, lengths[0])
+        self.rows = self.draw = None
+        if len(groups) == 1:
+            return
+        count, rank, length = self.spans[-1][1], max(g.rank for g in groups), max(lengths)
+        self.rows = torch.zeros(count, rank, length, dtype=dtype, device=device)
+        if draws:
+            self.draw = torch.zeros_like(self.rows)
+        src, dst = [], []
+        for g, (a, _), x, offset in zip(groups, self.spans, lengths, offsets):
+            src.append(offset + torch.arange(g.count * g.rank * x))
+            i = torch.arange(a, a + g.count).view(-1, 1, 1)
+            j = torch.arange(g.rank).view(1, -1, 1)
+            place = (i * rank + j) * length + torch.arange(x).view(1, 1, -1)
+            dst.append(place.reshape(-1))
+        self.src = torch.cat(src).to(device)  # element of the flat buffer ...
+        self.dst = torch.cat(dst).to(device)  # ... and its place in the batch
+
+    def _view(self, flat: torch.Tensor) -> torch.Tensor:
+        offset, count, rank, length = self.single
+        return flat[offset : offset + count * rank * length].view(count, rank, length)
+
+    def gather(self, flat: torch.Tensor, draw_flat: torch.Tensor | None = None):
+        """(batch, draws' batch): the groups' factors of `flat` (and `draw_flat`), padded."""
+        if self.rows is None:
+            return self._view(flat), (None if draw_flat is None else self._view(draw_flat))
+        # Zero first: a non-finite matrix leaves NaN in its padding, which
+        # must not reach the next step's norms.
+        self.rows.zero_()
+        self.rows.view(-1).index_copy_(0, self.dst, flat.index_select(0, self.src))
+        if draw_flat is not None:
+            self.draw.view(-1).index_copy_(0, self.dst, draw_flat.index_select(0, self.src))
+        return self.rows, self.draw
+
+    def scatter(self, flat: torch.Tensor) -> None:
+        """Copy the batch's results back into `flat`."""
+        if self.rows is not None:
+            flat.index_copy_(0, self.src, self.rows.view(-1).index_select(0, self.dst))
+
+    def split(self, per_matrix):
+        """A (K, 1, 1) tensor of the batch as per-group (k, 1, 1) views (None: Nones)."""
+        return [None if per_matrix is None else per_matrix[a:b] for a, b in self.spans]
+
+
+def padded_batches(groups, side: str, dtype, device, draws: bool) -> list[PaddedBatch]:
+    """`groups` by length (n for side "p", m for "q"), cut where a length doubles."""
+    length = (lambda g: g.n) if side == "p" else (lambda g: g.m)
+    batches, current = [], []
+    for g in sorted(groups, key=length):  # stable: the same batches on every rank
+        if current and length(g) > 2 * length(current[0]):
+            batches.append(current)
+            current = []
+        current.append(g)
+    if current:
+        batches.append(current)
+    return [PaddedBatch(b, side, dtype, device, draws) for b in batches]
+
+
+class Factors:
+    """The compressed matrices of one bucket, device and compute dtype: one flat P and Q buffer.
+
+    Args:
+        device, dtype: of the matrices' state (the compute dtype).
+        comm_dtype: what P and Q travel in (None: `dtype`).
+        seed: of this buffer's random draws, the same on every rank.
+    """
+
+    def __init__(self, device, dtype, comm_dtype, seed: int):
+        self.device = device
+        self.dtype = dtype
+        self.comm_dtype = comm_dtype or dtype
+        # Scaling buys range only where the wire is narrower than the math.
+        self.scaled = self.comm_dtype == torch.float16 and dtype != torch.float16
+        self.groups: OrderedDict[tuple[int, int, int], ShapeGroup] = OrderedDict()
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        # --- the schedule's own, per step (compressor.py) ----------------------------
+        self.partner_batches: list[list[PaddedBatch]] = [[], []]  # by step parity
+        self.project_batches: list[PaddedBatch] = []  # rounds=2: the summed P
+        self.p_finite: torch.Tensor | None = None  # rounds=2: per matrix, P of this step
+        self.sent: list[str] = []  # rounds=1: "p"/"q", what this step sends
+
+    def add(self, name: str, shape: torch.Size, rank: int) -> tuple[ShapeGroup, int]:
+        """Place the matrix of parameter `name` (at rank r); returns its group and index."""
+        n, m = matrix_shape(shape)
+        group = self.groups.setdefault((n, m, rank), ShapeGroup(n, m, rank))
+        if rank == n:
+            group.sends = ("q", "q")  # P̂ is n x n: P̂·P̂ᵀ·M = M
+        elif rank == m:
+            group.sends = ("p", "p")  # Q̂ is m x m: M·Q̂·Q̂ᵀ = M
+        group.names.append(name)
+        group.shapes.append(shape)
+        return group, group.count - 1
+
+    def _matrix_ids(self, order, sizes) -> torch.Tensor:
+        parts = [
+            torch.arange(g.first, g.first + g.count).repeat_interleave(size // g.count)
+            for g, size in zip(order, sizes)
+        ]
+        return torch.cat(parts).to(self.device) if parts else torch.zeros(0, dtype=torch.long)
+
+    def allocate(self, p_memory: bool) -> None:
+        """Allocate every buffer and view (once all matrices are added).
+
+        Args:
+            p_memory: keep a P memory too (the alternating schedule warm-starts both).
+        """
+        groups = list(self.groups.values())
+
+        def flat(sizes, dtype):
+            return torch.zeros(sum(sizes), dtype=dtype, device=self.device)
+
+        # rounds=1 sends a prefix of each flat buffer, so each buffer orders its
+        # groups by how often they send it: P holds the groups that always send
+        # P first, then the alternating ones, then those that never send P
+        # (always Q); the Q buffer the other way round. (A stable sort keeps
+        # the groups' order within each kind, the same on every rank.)
+        sends_p = {("p", "p"): 0, ("q", "p"): 1, ("q", "q"): 2}
+        p_order = sorted(groups, key=lambda g: sends_p[g.sends])
+        q_order = sorted(groups, key=lambda g: 2 - sends_p[g.sends])
+        p_sizes = [g.count * g.n * g.rank for g in p_order]
+        q_sizes = [g.count * g.m * g.rank for g in q_order]
+        self.p = flat(p_sizes, self.dtype)
+        self.q_local = flat(q_sizes, self.dtype)
+        self.q_memory = flat(q_sizes, self.dtype)
+        self.p_memory = flat(p_sizes, self.dtype) if p_memory else None
+        # P is summed in place, so it may share storage with its compute copy;
+        # Q_w must survive its collective (the error update needs it): own buffer.
+        separate = self.comm_dtype != self.dtype
+        self.p_comm = flat(p_sizes, self.comm_dtype) if separate else self.p
+        self.q_comm = flat(q_sizes, self.comm_dtype)
+        offset = 0
+        for g, size in zip(p_order, p_sizes):
+            g.p_offset = offset
+            g.pt = self.p[offset : offset + size].view(g.count, g.rank, g.n)
+            g.pt_comm = self.p_comm[offset : offset + size].view(g.count, g.rank, g.n)
+            if self.p_memory is not None:
+                g.pt_memory = self.p_memory[offset : offset + size].view(g.count, g.rank, g.n)
+            offset += size
+        offset = 0
+        for g, size in zip(q_order, q_sizes):
+            g.q_offset = offset
+            g.qt_local = self.q_local[offset : offset + size].view(g.count, g.rank, g.m)
+            g.qt_memory = self.q_memory[offset : offset + size].view(g.count, g.rank, g.m)
+            g.qt_comm = self.q_comm[offset : offset + size].view(g.count, g.rank, g.m)
+            offset += size
+        first = 0
+        for g in groups:
+            g.matrices = torch.zeros(g.count, g.n, g.m, dtype=self.dtype, device=self.device)
+            g.first = first
+            first += g.count
+        # Which matrix each element of the flat buffers belongs to: per-matrix
+        # flags (finite or not) for the whole bucket come from one indexed sum.
+        self.matrix_count = first
+        self.p_matrix = self._matrix_ids(p_order, p_sizes)
+        self.q_matrix = self._matrix_ids(q_order, q_sizes)
+        self.all_finite = torch.ones(first, dtype=torch.bool, device=self.device)
+        self.p_finite = self.all_finite
+        # How much of each buffer an alternating step sends, by step parity.
+        self.p_sent = [
+            sum(s for g, s in zip(p_order, p_sizes) if g.sends[phase] == "p") for phase in (0, 1)
+        ]
+        self.q_sent = [
+            sum(s for g, s in zip(q_order, q_sizes) if g.sends[phase] == "q") for phase in (0, 1)
+        ]
+        self.q_memory.normal_(generator=self.generator)
+        if self.p_memory is not None:
+            self.p_memory.normal_(generator=self.generator)
+
+    def finite_matrices(self, parts) -> torch.Tensor:
+        """(K,) bool: whether every element of each matrix in `parts` is finite.
+
+        `parts`: (flat tensor, its matrix ids) pairs; a tensor may be a prefix
+        of a flat buffer. Matrices in none of them count as finite.
+        """
+        if self.device.type == "cpu" and all(bool(torch.isfinite(t).all()) for t, _ in parts):
+            # The usual case, seen from the host at no cost on the CPU.
+            return self.all_finite
+        bad = torch.zeros(self.matrix_count, dtype=torch.int32, device=self.device)
+        for tensor, ids in parts:
+            bad.index_add_(0, ids[: tensor.numel()], (~torch.isfinite(tensor)).to(torch.int32))
+        return bad == 0
+
+    def drop_non_finite_error(self, finite: torch.Tensor) -> None:
+        """Zero the error buffers of the matrices whose flag in `finite` (K,) is False."""
+        # On the CPU a host-side look at the flags costs nothing and saves a
+        # pass over every error buffer; on an accelerator it would stall the
+        # stream, so there the fill runs unconditionally.
+        if self.device.type == "cpu" and bool(finite.all()):
+            return
+        for g in self.groups.values():
+            g.matrices.masked_fill_(~finite[g.first : g.first + g.count].view(-1, 1, 1), 0)
