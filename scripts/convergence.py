@@ -1,44 +1,5 @@
 """Convergence campaign: plain Horovod vs PowerSGD, both schedules, several seeds.
 
-What `make convergence` runs (issue 14). Three parts, each a list of runs:
-
-- ``fashion``: Fashion-MNIST CNN, 10 epochs, seeds 42/43/44: plain Horovod, rank 2 with
-  ``rounds=2`` and ``rounds=1``, rank 1 and rank 4 with the default schedule.
-- ``warmup``: rank 2 with ``start_iter`` 100 and one epoch (469 steps) on Fashion-MNIST,
-  the same seeds; ``start_iter`` 0 is the rank-2 run of ``fashion``. The learning rate
-  is constant, so a run's epoch-2 record is what a 2-epoch run would give; the report
-  reads both horizons from the same runs.
-- ``lstm``: the LSTM language model on the whole Python-docs corpus, plain vs rank 4 in
-  both schedules, seeds 42/43, ``--lm-epochs`` (20) epochs. Every run divides the LR by 4
-  after the same epochs (``--lm-lr-drop-after``, 14), so configurations compare at the
-  same LR in every epoch; with the stall rule each run cut at its own epoch, and the
-  first cut, not the compressor, decided the gap. Validation perplexity is in every
-  epoch's record, so "flattened" can be read off.
-- ``transformer`` (issue 26): the decoder-only transformer with AdamW
-  (examples/transformer_lm.py) on the same corpus, plain vs rank 4 and rank 16 with
-  ``rounds=2`` and ``start_iter`` equal to the LR warm-up (``TRANSFORMER_WARMUP`` steps,
-  as the README advises), seeds 42/43 (``--tf-seeds``), ``--tf-epochs`` (8) epochs with
-  the cosine over ``--tf-decay-epochs`` (8) in every run, so a run extended later keeps
-  the LR at the cosine's floor and compares with the others at the same LR every epoch.
-  Ranks: rank 4 sends 65.5x fewer bytes a compressed step than plain (the LSTM's rank),
-  rank 16 18.3x, the highest power of two whose 8-epoch total, warm-up included, stays
-  above the issue's 8x (10.8x; rank 32: 6.9x); docs/results/convergence-notes.md gives
-  the table for every rank.
-
-Runs are ordered so that a campaign cut short still answers the main questions (seed 42
-of every configuration first). Every run writes its JSON and log under
-docs/results/convergence/; a run whose JSON is complete is skipped, so rerunning the
-same command resumes where it stopped. Language-model runs also save a checkpoint after
-every epoch (runs/convergence/, not tracked: hundreds of MB): an interrupted run goes on
-from its last epoch, and a larger ``--lm-epochs`` / ``--tf-epochs`` extends finished runs.
-Checkpoints do not leave the machine that trained; where a recorded run's checkpoint is
-missing, it trains again from epoch 1 and keeps the earlier record under ``replaced_runs``
-(the report says how closely it repeated, and on which machines: each run's record keeps
-its CPU, since runs on another CPU are not bitwise alike nor their times comparable). So a
-run longer than one sitting on a machine (a transformer run is about 100 minutes) is best
-run alone with ``--only``. After every run the report (docs/results/convergence.md) and
-plots are rebuilt from all JSON files there.
-
     python scripts/convergence.py                          # every part (many hours)
     python scripts/convergence.py --parts transformer      # the transformer (about 11 hours)
     python scripts/convergence.py --parts fashion,warmup   # Fashion-MNIST only
@@ -46,6 +7,8 @@ plots are rebuilt from all JSON files there.
     python scripts/convergence.py --parts transformer --only transformer_lm-plain  # one config
     python scripts/convergence.py --parts lstm --lm-epochs 24  # train the LSTM runs on
     python scripts/convergence.py --report-only            # rebuild the report
+
+How the campaign is run, and why: docs/results/convergence-notes.md.
 """
 
 from __future__ import annotations
@@ -432,8 +395,8 @@ def _epoch_seconds(records):
 def _epoch_seconds_text(records):
     """The median epoch time; per machine where the runs trained on more than one.
 
-    One median over runs of different CPUs mixes their speeds (17 % apart in the
-    transformer campaign), so then each machine's median is given, smallest first.
+    One median over runs of different CPUs mixes their speeds, so then each machine's
+    median is given, smallest first.
     Runs with no recorded machine count as one machine: nothing tells them apart.
     """
     by_machine = {}
@@ -619,21 +582,21 @@ def _warmup_table(groups):
     return lines
 
 
-# (example, rank, rounds, start_iter): (largest loss vs plain, least compression) of issue 14
+# (example, rank, rounds, start_iter): (largest loss vs plain, least compression)
 TARGETS = {
     ("fashion_mnist", 2, 2, 0): (0.3, 100.0),
     ("fashion_mnist", 2, 1, 0): (0.3, 200.0),
     ("fashion_mnist", 1, 2, 0): (1.0, None),
     ("lstm_language_model", 4, 2, 0): (2.0, 35.0),
     ("lstm_language_model", 4, 1, 0): (2.0, 35.0),
-    # issue 26: within 2 % of plain at >= 8x fewer bytes over the whole run, warm-up included
+    # Within 2 % of plain at >= 8x fewer bytes over the whole run, warm-up included.
     ("transformer_lm", 4, 2, TRANSFORMER_WARMUP): (2.0, 8.0),
     ("transformer_lm", 16, 2, TRANSFORMER_WARMUP): (2.0, 8.0),
 }
 
 
 def _targets(groups):
-    """One line per target of issue 14 whose configuration and plain baseline both ran."""
+    """One line per target whose configuration and plain baseline both ran."""
     lines = []
     for (example, rank, rounds, start_iter), (loss, ratio) in TARGETS.items():
         plain = groups.get(Config(example, 0).key)
@@ -902,7 +865,7 @@ def write_report(groups, out_dir):
             lines += [f.read().rstrip(), ""]
     targets = _targets(groups)
     if targets:
-        lines += ["## Targets (issues 14 and 26), from the runs below", "", *targets, ""]
+        lines += ["## Targets, from the runs below", "", *targets, ""]
         lines += [*_behind_lines(groups, behind), ""] if behind else []
     for example in EXAMPLES:
         lines += [f"## {example}", ""]

@@ -14,7 +14,7 @@ def flag(argv, name):
     return argv[argv.index(name) + 1]
 
 
-def test_plan_covers_issues_14_and_26_and_runs_seed_42_of_everything_first():
+def test_plan_covers_every_target_and_runs_seed_42_of_everything_first():
     plan = convergence.run_plan(convergence.parse_args([]))
     names = [name for name, *_ in plan]
     assert len(names) == len(set(names)), "two runs would share one JSON file"
@@ -27,7 +27,7 @@ def test_plan_covers_issues_14_and_26_and_runs_seed_42_of_everything_first():
     for seed in (42, 43):
         for rank, rounds in ((0, 2), (4, 2), (4, 1)):
             assert ("lstm_language_model", rank, rounds, 0, seed) in runs
-        # Issue 26: plain vs two ranks, rounds=2, PowerSGD from the end of the LR warm-up.
+        # The transformer: plain vs two ranks, rounds=2, PowerSGD from the end of the LR warm-up.
         assert ("transformer_lm", 0, 2, 0, seed) in runs
         for rank in (4, 16):
             assert ("transformer_lm", rank, 2, 200, seed) in runs
