@@ -28,7 +28,7 @@ from convergence_runs import (
     ROOT,
     TRANSFORMER_WARMUP,
     Config,
-    _lr_cuts,
+    lr_cuts,
     machine,
 )
 
@@ -173,7 +173,7 @@ def run_one(name, config, argv, args, runs_dir):
             # The last epoch's cut only sets the next epoch's LR, which the plan decides.
             done = len(old["epochs"])
             planned = [d for d in _ints(argv[argv.index("--lr-drop-after") + 1]) if d < done]
-            cuts = [c for c in _lr_cuts(old) if c < done]
+            cuts = [c for c in lr_cuts(old) if c < done]
             if cuts != planned:
                 print(
                     f"[convergence] {name}: its LR was cut after epochs {cuts or 'none'}, "

@@ -22,22 +22,22 @@ from convergence_runs import (
     ROOT,
     TRANSFORMER_WARMUP,
     Config,
-    _common_epoch,
-    _config,
-    _finite,
-    _flattened,
-    _paired,
-    _value,
+    all_finite,
+    common_epoch,
+    config_of,
+    flattened,
     machine,
+    metric,
+    pair_by_seed,
 )
 from convergence_tables import (
-    _flattening_table,
-    _gap_by_epoch_table,
-    _machines_lines,
-    _per_epoch_table,
-    _retrained_lines,
-    _summary_table,
-    _warmup_table,
+    flattening_table,
+    gap_by_epoch_table,
+    machines_lines,
+    per_epoch_table,
+    retrained_lines,
+    summary_table,
+    warmup_table,
 )
 
 
@@ -103,10 +103,10 @@ def write_plots(groups, out_dir):
         if not mine:
             continue
         fig, (by_epoch, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
-        for records in sorted(mine, key=lambda g: _config(g).key):
+        for records in sorted(mine, key=lambda g: config_of(g).key):
             epochs = min(len(r["epochs"]) for r in records)
             xs = list(range(1, epochs + 1))
-            per_seed = [[_value(r, e) for e in xs] for r in records]
+            per_seed = [[metric(r, e) for e in xs] for r in records]
             mean = [statistics.fmean(v) for v in zip(*per_seed)]
             low = [min(v) for v in zip(*per_seed)]
             high = [max(v) for v in zip(*per_seed)]
@@ -115,7 +115,7 @@ def write_plots(groups, out_dir):
                 / 1e6
                 for k in xs
             ]
-            name = f"{_config(records).label} ({len(records)} seed{'s' * (len(records) > 1)})"
+            name = f"{config_of(records).label} ({len(records)} seed{'s' * (len(records) > 1)})"
             (line,) = by_epoch.plot(xs, mean, marker="o", markersize=3, label=name)
             by_epoch.fill_between(xs, low, high, color=line.get_color(), alpha=0.2)
             by_bytes.plot(mb, mean, marker="o", markersize=3, color=line.get_color(), label=name)
@@ -166,20 +166,20 @@ def _targets(groups):
         if not plain or not records:
             continue
         label = Config(example, rank, rounds, start_iter).label
-        plain, mine = _paired(plain, records)
-        plain_mean = statistics.fmean(_value(r) for r in plain)
+        plain, mine = pair_by_seed(plain, records)
+        plain_mean = statistics.fmean(metric(r) for r in plain)
         seeds = "seeds " + ",".join(str(r["args"]["seed"]) for r in mine)
         seeds += " vs plain " + ",".join(str(r["args"]["seed"]) for r in plain)
         alone = [str(r["args"]["seed"]) for r in records if r not in mine]
         if alone:
             seeds += f" (seed {','.join(alone)}: no plain run to compare with yet)"
         fewer = min(r["final"]["ratio"] for r in records)
-        if not _finite(records):
+        if not all_finite(records):
             lines.append(f"- {example}, {label}: **missed**, diverged (NaN); {seeds}.")
             continue
-        at = _common_epoch(plain, mine)
-        plain_mean = statistics.fmean(_value(r, at) for r in plain)
-        mean = statistics.fmean(_value(r, at) for r in mine)
+        at = common_epoch(plain, mine)
+        plain_mean = statistics.fmean(metric(r, at) for r in plain)
+        mean = statistics.fmean(metric(r, at) for r in mine)
         if example == "fashion_mnist":
             delta, unit = mean - plain_mean, "pp"
             behind = -delta
@@ -201,7 +201,7 @@ def _targets(groups):
                 verdict = "**not decided yet**"
             if len(epochs) > 1:
                 when += f", compared at epoch {at}, which all runs have"
-            if not all(map(_flattened, both)):
+            if not all(map(flattened, both)):
                 when += " (validation perplexity still falling, so not the flattened result)"
         lines.append(
             f"- {example}, {label}: {verdict} ({want}){when}: "
@@ -255,10 +255,10 @@ def write_report(groups, out_dir):
         if not mine:
             lines += ["Not run yet.", ""]
             continue
-        lines += [*_summary_table(example, mine), ""]
+        lines += [*summary_table(example, mine), ""]
         held = _behind_lines(groups, behind, example)
         lines += [*held, ""] if held else []
-        flat = _flattening_table(runs, example) if example in LANGUAGE_MODELS else []
+        flat = flattening_table(runs, example) if example in LANGUAGE_MODELS else []
         if flat:
             lines += [
                 "### Did validation perplexity flatten?",
@@ -271,7 +271,7 @@ def write_report(groups, out_dir):
                 *flat,
                 "",
             ]
-        gap = _gap_by_epoch_table(mine, example) if example in LANGUAGE_MODELS else []
+        gap = gap_by_epoch_table(mine, example) if example in LANGUAGE_MODELS else []
         if gap:
             lines += [
                 "### Test perplexity epoch by epoch: is the gap to plain closing?",
@@ -281,14 +281,14 @@ def write_report(groups, out_dir):
                 *gap,
                 "",
             ]
-        again = _retrained_lines(runs, example)
+        again = retrained_lines(runs, example)
         if again:
             lines += ["### Runs trained again", "", *again, ""]
-        machines = _machines_lines(runs, example)
+        machines = machines_lines(runs, example)
         if machines:
             lines += ["### Machines", "", *machines, ""]
         if example == "fashion_mnist":
-            warm = _warmup_table(mine)
+            warm = warmup_table(mine)
             if warm:
                 lines += ["### Warm-up (`start_iter`), rank 2, `rounds=2`", ""]
                 lines += [
@@ -306,7 +306,7 @@ def write_report(groups, out_dir):
             for r in runs[k]:
                 lines += [x["command"] for x in [*r.get("earlier_launches", []), r["launch"]]]
         lines += ["```", "", "<details><summary>Every epoch of every run</summary>", ""]
-        lines += _per_epoch_table(example, runs)
+        lines += per_epoch_table(example, runs)
         lines += ["", "</details>", ""]
     with open(os.path.join(out_dir, "convergence.md"), "w") as f:
         f.write("\n".join(lines))

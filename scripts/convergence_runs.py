@@ -76,53 +76,53 @@ class Config:
         return text + (f", start_iter {self.start_iter}" if self.start_iter else "")
 
 
-def _config(records):
+def config_of(records):
     c = records[0]["config"]
     return Config(c["example"], c["rank"], c["rounds"], c["start_iter"])
 
 
-def _scale(example):
+def metric_scale(example):
     return 100.0 if example == "fashion_mnist" else 1.0
 
 
-def _value(record, epoch=None):
+def metric(record, epoch=None):
     """The example's metric after `epoch` (default: the last), in report units."""
     key = EXAMPLES[record["example"]][1]
     e = record["epochs"][-1 if epoch is None else epoch - 1]
-    return _scale(record["example"]) * e[key]
+    return metric_scale(record["example"]) * e[key]
 
 
-def _ratio_through(record, epoch):
+def ratio_through(record, epoch):
     """Uncompressed bytes / bytes sent, over epochs 1..epoch."""
     sent = sum(e["bytes_sent"] for e in record["epochs"][:epoch])
     full = sum(e["bytes_sent"] * e["ratio"] for e in record["epochs"][:epoch])
     return full / sent
 
 
-def _epoch_seconds(records):
+def epoch_seconds(records):
     return statistics.median(e["train_time_s"] for r in records for e in r["epochs"])
 
 
-def _finite(records):
-    return all(math.isfinite(_value(r)) for r in records)
+def all_finite(records):
+    return all(math.isfinite(metric(r)) for r in records)
 
 
-def _late_mean(records, last=3, through=None):
+def late_mean(records, last=3, through=None):
     """Mean over seeds and over the last `last` epochs (up to `through`, default each run's
     last): less sensitive to one noisy epoch."""
     values = [
-        _value(r, e) for r in records for e in range(1, (through or len(r["epochs"])) + 1)[-last:]
+        metric(r, e) for r in records for e in range(1, (through or len(r["epochs"])) + 1)[-last:]
     ]
     return statistics.fmean(values)
 
 
-def _common_epoch(*groups):
+def common_epoch(*groups):
     """The last epoch every run of `groups` has: runs trained for different epochs compare
     there, at the same point of the LR schedule."""
     return min(len(r["epochs"]) for records in groups for r in records)
 
 
-def _paired(plain, records):
+def pair_by_seed(plain, records):
     """(plain runs, runs of `records`) of the seeds both have; all of both if none match."""
     seeds = {r["args"]["seed"] for r in records} & {r["args"]["seed"] for r in plain}
     if not seeds:
@@ -136,13 +136,13 @@ FLAT = 1.0  # % an epoch may still improve validation perplexity, on average, an
 FLAT_EPOCHS = 3  # epochs averaged: one quiet epoch between two LR cuts is not a plateau
 
 
-def _last_change(record):
+def last_change(record):
     """% change of validation perplexity over the last epoch (NaN after one epoch)."""
     valid = [e["valid_perplexity"] for e in record["epochs"]]
     return 100 * (valid[-1] / valid[-2] - 1) if len(valid) > 1 else float("nan")
 
 
-def _recent_change(record, last=FLAT_EPOCHS):
+def recent_change(record, last=FLAT_EPOCHS):
     """Mean % change of validation perplexity per epoch over the last `last` epochs.
 
     Geometric mean of the per-epoch ratios; NaN before `last` + 1 epochs.
@@ -153,12 +153,12 @@ def _recent_change(record, last=FLAT_EPOCHS):
     return 100 * ((valid[-1] / valid[-1 - last]) ** (1 / last) - 1)
 
 
-def _flattened(record):
-    change = _recent_change(record)
+def flattened(record):
+    change = recent_change(record)
     return math.isfinite(change) and change > -FLAT
 
 
-def _lr_cuts(record):
+def lr_cuts(record):
     """Epochs after which the LR went down (each epoch's record holds the next epoch's LR)."""
     lrs = [record["args"]["lr"] * record["world_size"]] + [e["lr"] for e in record["epochs"]]
     return [

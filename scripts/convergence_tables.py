@@ -10,19 +10,19 @@ from convergence_runs import (
     FLAT_EPOCHS,
     LANGUAGE_MODELS,
     Config,
-    _common_epoch,
-    _config,
-    _epoch_seconds,
-    _finite,
-    _flattened,
-    _last_change,
-    _late_mean,
-    _lr_cuts,
-    _paired,
-    _ratio_through,
-    _recent_change,
-    _scale,
-    _value,
+    all_finite,
+    common_epoch,
+    config_of,
+    epoch_seconds,
+    flattened,
+    last_change,
+    late_mean,
+    lr_cuts,
+    metric,
+    metric_scale,
+    pair_by_seed,
+    ratio_through,
+    recent_change,
 )
 
 
@@ -44,14 +44,14 @@ def _epoch_seconds_text(records):
     for r in records:
         by_machine.setdefault(r.get("launch", {}).get("machine"), []).append(r)
     if len(by_machine) < 2:
-        return f"{_epoch_seconds(records):.0f} s"
-    medians = sorted(_epoch_seconds(runs) for runs in by_machine.values())
+        return f"{epoch_seconds(records):.0f} s"
+    medians = sorted(epoch_seconds(runs) for runs in by_machine.values())
     return " / ".join(f"{m:.0f} s" for m in medians) + f" ({len(medians)} machines)"
 
 
 def _ordered(groups):
     """Configuration keys in report order: plain first, then by rank, then by key."""
-    return sorted(groups, key=lambda k: (_config(groups[k]).rank, k))
+    return sorted(groups, key=lambda k: (config_of(groups[k]).rank, k))
 
 
 def _delta(example, value, plain):
@@ -60,7 +60,7 @@ def _delta(example, value, plain):
     return f"{100 * (value / plain - 1):+.1f} %"
 
 
-def _summary_table(example, groups):
+def summary_table(example, groups):
     label = EXAMPLES[example][2]
     plain = groups.get(Config(example, 0).key)
     lines = [
@@ -73,26 +73,26 @@ def _summary_table(example, groups):
         records = groups[key]
         if records[0]["example"] != example:
             continue
-        values = [_value(r) for r in records]
-        if _finite(records):
+        values = [metric(r) for r in records]
+        if all_finite(records):
             mean, text = _spread(values)
         else:
             mean, text = (
                 float("nan"),
                 "diverged (NaN) in "
                 + ", ".join(
-                    str(r["args"]["seed"]) for r in records if not math.isfinite(_value(r))
+                    str(r["args"]["seed"]) for r in records if not math.isfinite(metric(r))
                 ),
             )
-        late = _late_mean(records)
-        if not plain or _config(records).rank == 0 or not math.isfinite(mean):
+        late = late_mean(records)
+        if not plain or config_of(records).rank == 0 or not math.isfinite(mean):
             delta = late_delta = "—"
         else:
-            same, mine = _paired(plain, records)
-            at = _common_epoch(same, mine)
-            mean_same = statistics.fmean(_value(r, at) for r in mine)
-            delta = _delta(example, mean_same, statistics.fmean(_value(r, at) for r in same))
-            late_delta = _delta(example, _late_mean(mine, through=at), _late_mean(same, through=at))
+            same, mine = pair_by_seed(plain, records)
+            at = common_epoch(same, mine)
+            mean_same = statistics.fmean(metric(r, at) for r in mine)
+            delta = _delta(example, mean_same, statistics.fmean(metric(r, at) for r in same))
+            late_delta = _delta(example, late_mean(mine, through=at), late_mean(same, through=at))
             if any(len(r["epochs"]) != at for r in [*same, *mine]):
                 delta += f" (epoch {at})"
                 late_delta += f" (epochs {max(1, at - 2)}-{at})"
@@ -104,14 +104,14 @@ def _summary_table(example, groups):
         )
         seeds = ",".join(str(r["args"]["seed"]) for r in records)
         lines.append(
-            f"| {_config(records).label} | {seeds} | {epochs} | {text} | {delta} "
+            f"| {config_of(records).label} | {seeds} | {epochs} | {text} | {delta} "
             f"| {late:.2f} | {late_delta} | {per_epoch / 1e6:.1f} MB | {ratio} "
             f"| {_epoch_seconds_text(records)} |"
         )
     return lines
 
 
-def _warmup_table(groups):
+def warmup_table(groups):
     configs = [Config("fashion_mnist", 0)]
     configs += [Config("fashion_mnist", 2, start_iter=s) for s in (0, 100, 469)]
     present = [c for c in configs if c.key in groups]
@@ -134,9 +134,9 @@ def _warmup_table(groups):
             if not have:
                 row += ["—", "—"]
                 continue
-            row.append(f"{statistics.fmean(_value(r, epoch) for r in have):.2f} %")
-            row.append(f"{statistics.fmean(_ratio_through(r, epoch) for r in have):.1f}x")
-        row.append(f"{_late_mean(records):.2f} %")
+            row.append(f"{statistics.fmean(metric(r, epoch) for r in have):.2f} %")
+            row.append(f"{statistics.fmean(ratio_through(r, epoch) for r in have):.1f}x")
+        row.append(f"{late_mean(records):.2f} %")
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
@@ -146,7 +146,7 @@ def _percent(change):
     return f"{change:+.1f} %" if math.isfinite(change) else "—"
 
 
-def _flattening_table(groups, example="lstm_language_model"):
+def flattening_table(groups, example="lstm_language_model"):
     """Per run of a language model: where validation perplexity stopped improving, LR cuts.
 
     The transformer's LR follows a cosine, which falls every epoch: its column says so.
@@ -167,17 +167,17 @@ def _flattening_table(groups, example="lstm_language_model"):
             if example == "transformer_lm":
                 cuts = [f"cosine over {r['args']['decay_epochs']} epochs"]
             else:
-                cuts = _lr_cuts(r)
+                cuts = lr_cuts(r)
             lines.append(
-                f"| {_config(groups[key]).label} | {r['args']['seed']} | {len(epochs)} "
-                f"| {valid[best]:.1f} ({epochs[best]['epoch']}) | {_value(r, best + 1):.2f} "
-                f"| {_percent(_last_change(r))} | {_percent(_recent_change(r))} "
-                f"| {', '.join(map(str, cuts)) or '—'} | {'yes' if _flattened(r) else 'no'} |"
+                f"| {config_of(groups[key]).label} | {r['args']['seed']} | {len(epochs)} "
+                f"| {valid[best]:.1f} ({epochs[best]['epoch']}) | {metric(r, best + 1):.2f} "
+                f"| {_percent(last_change(r))} | {_percent(recent_change(r))} "
+                f"| {', '.join(map(str, cuts)) or '—'} | {'yes' if flattened(r) else 'no'} |"
             )
     return lines if len(lines) > 2 else []
 
 
-def _gap_by_epoch_table(groups, example="lstm_language_model"):
+def gap_by_epoch_table(groups, example="lstm_language_model"):
     """A language model's test perplexity by epoch, seed means, each against plain's seeds.
 
     Shows whether a gap to plain is closing or steady as the curves flatten, which a verdict
@@ -187,26 +187,30 @@ def _gap_by_epoch_table(groups, example="lstm_language_model"):
     others = [
         k
         for k in _ordered(groups)
-        if groups[k][0]["example"] == example and _config(groups[k]).rank
+        if groups[k][0]["example"] == example and config_of(groups[k]).rank
     ]
     if not plain or not others:
         return []
-    columns = [(_config(groups[k]).label, groups[k], _paired(plain, groups[k])) for k in others]
+    columns = [
+        (config_of(groups[k]).label, groups[k], pair_by_seed(plain, groups[k])) for k in others
+    ]
     last = min(len(r["epochs"]) for r in [*plain, *(r for k in others for r in groups[k])])
-    head = f"| epoch | {_config(plain).label} |" + "".join(f" {c[0]} | vs plain |" for c in columns)
+    head = f"| epoch | {config_of(plain).label} |" + "".join(
+        f" {c[0]} | vs plain |" for c in columns
+    )
     lines = [head, "|---|---|" + "---|---|" * len(columns)]
     for epoch in range(1, last + 1):
-        row = [str(epoch), f"{statistics.fmean(_value(r, epoch) for r in plain):.2f}"]
+        row = [str(epoch), f"{statistics.fmean(metric(r, epoch) for r in plain):.2f}"]
         for _, records, (same, mine) in columns:
-            mean = statistics.fmean(_value(r, epoch) for r in records)
-            paired = statistics.fmean(_value(r, epoch) for r in mine)
-            base = statistics.fmean(_value(r, epoch) for r in same)
+            mean = statistics.fmean(metric(r, epoch) for r in records)
+            paired = statistics.fmean(metric(r, epoch) for r in mine)
+            base = statistics.fmean(metric(r, epoch) for r in same)
             row += [f"{mean:.2f}", _delta(example, paired, base)]
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
 
-def _per_epoch_table(example, groups):
+def per_epoch_table(example, groups):
     key = EXAMPLES[example][1]
     extra = example in LANGUAGE_MODELS
     head = "| configuration | seed | epoch | " + EXAMPLES[example][2]
@@ -217,8 +221,8 @@ def _per_epoch_table(example, groups):
             if r["example"] != example:
                 continue
             for e in r["epochs"]:
-                cells = [_config(groups[k]).label, str(r["args"]["seed"]), str(e["epoch"])]
-                cells.append(f"{_scale(example) * e[key]:.2f}")
+                cells = [config_of(groups[k]).label, str(r["args"]["seed"]), str(e["epoch"])]
+                cells.append(f"{metric_scale(example) * e[key]:.2f}")
                 if extra:
                     cells += [f"{e['valid_perplexity']:.1f}", f"{e['lr']:g}"]
                 cells += [f"{e['train_loss']:.4f}", f"{e['train_time_s']:.0f} s"]
@@ -226,7 +230,7 @@ def _per_epoch_table(example, groups):
     return lines
 
 
-def _retrained_lines(groups, example):
+def retrained_lines(groups, example):
     """Runs trained again from epoch 1 because their checkpoint was on another machine:
     how closely the new run repeats the epochs the earlier one recorded."""
     key = EXAMPLES[example][1]
@@ -247,7 +251,7 @@ def _retrained_lines(groups, example):
                 started = old["launch"].get("started_utc", "?")
                 first = (old.get("earlier_launches") or [old["launch"]])[0]
                 lines.append(
-                    f"- {_config(groups[k]).label}, seed {r['args']['seed']}: trained again "
+                    f"- {config_of(groups[k]).label}, seed {r['args']['seed']}: trained again "
                     f"from epoch 1 (the earlier run, first launched "
                     f"{first.get('started_utc', started)} UTC, had {len(old['epochs'])} epochs "
                     f"and its checkpoint was on another machine). Over epochs 1-{n} its "
@@ -256,8 +260,8 @@ def _retrained_lines(groups, example):
                         "is bitwise the same."
                         if same
                         else f"differs by at most {diffs[worst]:.2f} % (epoch {worst + 1}: "
-                        f"{_scale(example) * old['epochs'][worst][key]:.2f} then, "
-                        f"{_value(r, worst + 1):.2f} now)."
+                        f"{metric_scale(example) * old['epochs'][worst][key]:.2f} then, "
+                        f"{metric(r, worst + 1):.2f} now)."
                     )
                     + _machines_then_and_now(old["launch"], r["launch"])
                 )
@@ -271,7 +275,7 @@ def _machines_then_and_now(then, now):
     return "" if a == b else f" Then on {a or unknown}, now on {b or unknown}."
 
 
-def _machines_lines(groups, example):
+def machines_lines(groups, example):
     """Which machine each run trained on, where the runs of `example` were not all on one."""
     runs = [r for k in _ordered(groups) for r in groups[k] if r["example"] == example]
     where = [r["launch"].get("machine") or "not recorded" for r in runs]

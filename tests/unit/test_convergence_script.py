@@ -163,9 +163,9 @@ def test_comparisons_pair_seeds_with_plain(tmp_path):
     groups = write_runs(tmp_path / "convergence", runs)
     # Against plain seed 42 alone (92.0), not the mean of 42 and 43 (91.0).
     assert "| rank 2, rounds=2, start_iter 100 | 42 | 2 | 91.70 ± — (91.70-91.70) | -0.30 pp" in (
-        "\n".join(convergence_tables._summary_table("fashion_mnist", groups))
+        "\n".join(convergence_tables.summary_table("fashion_mnist", groups))
     )
-    warmup = "\n".join(convergence_tables._warmup_table(groups))
+    warmup = "\n".join(convergence_tables.warmup_table(groups))
     assert "Seeds 42 (those every row has)" in warmup
     assert "| rank 2, rounds=2 | 91.80 % |" in warmup, "seed 43 left out of this row"
 
@@ -180,9 +180,9 @@ def test_a_seed_plain_lacks_is_left_out_of_the_gap_and_named(tmp_path):
     (target,) = convergence_report._targets(groups)
     assert "**met**" in target and "+1.00 % vs plain" in target, target
     assert "seeds 43 vs plain 43 (seed 42: no plain run to compare with yet)" in target, target
-    summary = "\n".join(convergence_tables._summary_table("lstm_language_model", groups))
+    summary = "\n".join(convergence_tables.summary_table("lstm_language_model", groups))
     assert "| 42,43 | 2 | 97.41 ± 7.93 (91.80-103.02) | +1.0 % |" in summary, summary
-    gap = convergence_tables._gap_by_epoch_table(groups)
+    gap = convergence_tables.gap_by_epoch_table(groups)
     assert gap[-1] == "| 2 | 102.00 | 97.41 | +1.0 % |", gap
 
 
@@ -224,7 +224,7 @@ def test_lstm_report_says_where_validation_flattened(tmp_path):
     # Rank 4's last epoch moves only 0.7 %, but the three before it 3.9 % an epoch: not flat.
     runs += [lstm_record(r4, 42, [210, 170, 160, 152, 151], [20] * 5)]
     groups = write_runs(tmp_path / "convergence", runs)
-    table = "\n".join(convergence_tables._flattening_table(groups))
+    table = "\n".join(convergence_tables.flattening_table(groups))
     row = "| plain Horovod | 42 | 7 | 144.0 (6) | 146.88 | +0.3 % | -0.1 % | 5 | yes |"
     assert row in table, table
     assert "| 42 | 5 | 151.0 (5) | 154.02 | -0.7 % | -3.9 % | — | no |" in table, table
@@ -286,7 +286,7 @@ def test_lstm_report_shows_the_gap_to_plain_epoch_by_epoch(tmp_path):
     runs += [lstm_record(r4, 43, [220, 115.5, 61], [20] * 3)]
     runs += [lstm_record(r4_one, 42, [240, 110], [20] * 2)]  # seed 42 only, 2 epochs so far
     groups = write_runs(tmp_path / "convergence", runs)
-    table = convergence_tables._gap_by_epoch_table(groups)
+    table = convergence_tables.gap_by_epoch_table(groups)
     head = "| epoch | plain Horovod | rank 4, rounds=1 | vs plain | rank 4, rounds=2 | vs plain |"
     assert table[0] == head, "configurations in the summary table's order"
     # Only the epochs every run has; rounds=1 against plain seed 42 alone (102.0 at epoch 2,
@@ -348,12 +348,12 @@ def test_transformer_report_reads_the_cosine_runs(tmp_path):
     assert (
         "rank 16, rounds=2, start_iter 200: **met** (within 2.0 %, >= 8x fewer bytes)" in targets[1]
     )
-    table = "\n".join(convergence_tables._flattening_table(groups, "transformer_lm"))
+    table = "\n".join(convergence_tables.flattening_table(groups, "transformer_lm"))
     assert "| plain Horovod | 42 | 4 | 149.0 (4) |" in table, table
     # Still falling 21 % an epoch over the last three: not flat, and the verdict says so.
     assert "| -0.7 % | -20.8 % | cosine over 4 epochs | no |" in table, table
     assert "(validation perplexity still falling" in targets[1]
-    gap = convergence_tables._gap_by_epoch_table(groups, "transformer_lm")
+    gap = convergence_tables.gap_by_epoch_table(groups, "transformer_lm")
     assert gap[0].startswith("| epoch | plain Horovod | rank 4, rounds=2, start_iter 200 |")
     convergence_report.write_report(groups, str(tmp_path))
     report = (tmp_path / "convergence.md").read_text()
@@ -428,7 +428,7 @@ def test_a_run_whose_checkpoint_is_gone_trains_again_and_keeps_the_earlier_recor
     log = (runs_dir / "transformer_lm-plain-s42.log").read_text()
     assert "the earlier run" not in log and log.endswith("epoch 1 again\n")
     groups = convergence_report.load_runs(str(runs_dir))
-    (line,) = convergence_tables._retrained_lines(groups, "transformer_lm")
+    (line,) = convergence_tables.retrained_lines(groups, "transformer_lm")
     assert "first launched 2026-11-30 10:00:00 UTC, had 2 epochs" in line, line
     assert "differs by at most 1.00 % (epoch 2: 122.40 then, 123.62 now)" in line, line
     # With the checkpoint there, the same call goes on from it instead.
@@ -462,7 +462,7 @@ def test_runs_of_different_lengths_compare_at_the_epoch_all_have(tmp_path):
         " which all runs have" in target
     ), target
     assert "+2.00 % vs plain" in target and "**not decided yet**" in target, target
-    summary = "\n".join(convergence_tables._summary_table("transformer_lm", groups))
+    summary = "\n".join(convergence_tables.summary_table("transformer_lm", groups))
     assert "| +2.0 % (epoch 2) |" in summary and "| +2.0 % (epochs 1-2) |" in summary, summary
 
 
@@ -498,18 +498,18 @@ def test_a_run_records_its_machine_and_the_report_names_machines_where_they_diff
     plain["example"] = "transformer_lm"
     write_runs(runs_dir, [plain])
     groups = convergence_report.load_runs(str(runs_dir))
-    (line,) = convergence_tables._retrained_lines(groups, "transformer_lm")
+    (line,) = convergence_tables.retrained_lines(groups, "transformer_lm")
     assert line.endswith(
         "Then on a machine not recorded, now on Other CPU (family 6, model 207), 2 cores."
     ), line
-    machines = "\n".join(convergence_tables._machines_lines(groups, "transformer_lm"))
+    machines = "\n".join(convergence_tables.machines_lines(groups, "transformer_lm"))
     assert "- plain Horovod, seed 42: not recorded" in machines, machines
     assert "- rank 16, rounds=2, start_iter 200, seed 42: Other CPU (family 6" in machines
     # Runs all on one machine need no such section.
     plain["launch"]["machine"] = "Other CPU (family 6, model 207), 2 cores"
     write_runs(runs_dir, [plain])
     groups = convergence_report.load_runs(str(runs_dir))
-    assert convergence_tables._machines_lines(groups, "transformer_lm") == []
+    assert convergence_tables.machines_lines(groups, "transformer_lm") == []
 
 
 def test_epoch_times_are_not_one_median_over_different_machines(tmp_path):
@@ -526,11 +526,11 @@ def test_epoch_times_are_not_one_median_over_different_machines(tmp_path):
             r["launch"]["machine"] = where
         runs.append(r)
     groups = write_runs(tmp_path / "convergence", runs)
-    (row,) = convergence_tables._summary_table("transformer_lm", groups)[2:]
+    (row,) = convergence_tables.summary_table("transformer_lm", groups)[2:]
     assert row.endswith("| 650 s / 810 s (2 machines) |"), row
     # All on one machine: the one median, as before.
     groups = write_runs(tmp_path / "one", runs[1:])
-    (row,) = convergence_tables._summary_table("transformer_lm", groups)[2:]
+    (row,) = convergence_tables.summary_table("transformer_lm", groups)[2:]
     assert row.endswith("| 810 s |"), row
 
 
