@@ -40,6 +40,7 @@ PARTS = ("fashion", "warmup", "lstm", "transformer")
 
 
 def parse_args(argv=None):
+    """The campaign's flags, from `argv` (default: the command line)."""
     p = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -162,6 +163,19 @@ def _past(deadline):
 
 
 def run_one(name, config, argv, args, runs_dir):
+    """Launches one run of the plan unless its record says it is done, then completes the record.
+
+    A run with a complete record is skipped. One with fewer epochs goes on from its
+    checkpoint, or trains again from epoch 1 where the checkpoint is not on this machine.
+    One whose LR was cut after other epochs than `argv` asks is not run.
+
+    Args:
+        name: the run's file name without extension, `{config.key}-s{seed}`.
+        config: the run's configuration.
+        argv: the example's flags, as `run_plan` gives them.
+        args: the campaign's flags (`--np`, `--rerun`).
+        runs_dir: the folder of the runs' JSON records and logs.
+    """
     json_path = os.path.join(runs_dir, f"{name}.json")
     log_path = os.path.join(runs_dir, f"{name}.log")
     earlier, replaced = [], []
@@ -245,6 +259,7 @@ def run_one(name, config, argv, args, runs_dir):
 
 
 def main(argv=None):
+    """Runs the plan (none of it with `--report-only`), rebuilding the report after each run."""
     args = parse_args(argv)
     runs_dir = os.path.join(args.out, "convergence")
     os.makedirs(runs_dir, exist_ok=True)

@@ -92,6 +92,7 @@ def _behind_lines(groups, behind, example=None):
 
 
 def write_plots(groups, out_dir):
+    """Writes one PNG per example, its metric by epoch and by bytes sent: {example: file name}."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -219,6 +220,12 @@ LR_NOTES = {
 
 
 def write_report(groups, out_dir):
+    """Writes `out_dir`/convergence.md and its plots.
+
+    Args:
+        groups: the runs, as `load_runs` returns them.
+        out_dir: the report's folder; its convergence-notes.md, if any, goes in near the top.
+    """
     every, (groups, behind) = groups, _current(groups)
     plots = write_plots(groups, out_dir)
     lines = [
@@ -313,6 +320,7 @@ def write_report(groups, out_dir):
 
 
 def parse_args(argv=None):
+    """The report's flags, from `argv` (default: the command line)."""
     p = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -325,6 +333,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    """Rebuilds the report from the run records in `--out`/convergence/."""
     args = parse_args(argv)
     write_report(load_runs(os.path.join(args.out, "convergence")), args.out)
     print(f"[convergence] report: {os.path.join(args.out, 'convergence.md')}", flush=True)

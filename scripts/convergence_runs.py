@@ -77,11 +77,13 @@ class Config:
 
 
 def config_of(records):
+    """The configuration of `records`, runs of one configuration."""
     c = records[0]["config"]
     return Config(c["example"], c["rank"], c["rounds"], c["start_iter"])
 
 
 def metric_scale(example):
+    """Record units to report units: accuracy in %, perplexity as it is."""
     return 100.0 if example == "fashion_mnist" else 1.0
 
 
@@ -100,10 +102,12 @@ def ratio_through(record, epoch):
 
 
 def epoch_seconds(records):
+    """The median training time of one epoch, over every epoch of `records`."""
     return statistics.median(e["train_time_s"] for r in records for e in r["epochs"])
 
 
 def all_finite(records):
+    """Whether no run of `records` ended with a NaN or infinite metric."""
     return all(math.isfinite(metric(r)) for r in records)
 
 
@@ -154,6 +158,7 @@ def recent_change(record, last=FLAT_EPOCHS):
 
 
 def flattened(record):
+    """Whether validation perplexity has flattened: `recent_change` above -FLAT %."""
     change = recent_change(record)
     return math.isfinite(change) and change > -FLAT
 

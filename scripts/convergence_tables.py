@@ -61,6 +61,7 @@ def _delta(example, value, plain):
 
 
 def summary_table(example, groups):
+    """One row per configuration of `example`: seed means, bytes and times, against plain."""
     label = EXAMPLES[example][2]
     plain = groups.get(Config(example, 0).key)
     lines = [
@@ -112,6 +113,7 @@ def summary_table(example, groups):
 
 
 def warmup_table(groups):
+    """Fashion-MNIST rank 2 by `start_iter`, and plain, after 2 and 10 epochs."""
     configs = [Config("fashion_mnist", 0)]
     configs += [Config("fashion_mnist", 2, start_iter=s) for s in (0, 100, 469)]
     present = [c for c in configs if c.key in groups]
@@ -211,6 +213,7 @@ def gap_by_epoch_table(groups, example="lstm_language_model"):
 
 
 def per_epoch_table(example, groups):
+    """Every epoch of every run of `example`."""
     key = EXAMPLES[example][1]
     extra = example in LANGUAGE_MODELS
     head = "| configuration | seed | epoch | " + EXAMPLES[example][2]
