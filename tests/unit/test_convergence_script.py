@@ -1,4 +1,4 @@
-"""scripts/convergence.py: what the campaign runs, how it resumes, and what the report claims."""
+"""scripts/convergence*.py: what the campaign runs, how it resumes, and what the report claims."""
 
 import json
 import os
@@ -8,13 +8,16 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import convergence
+import convergence_report
+import convergence_tables
+from convergence_runs import Config, machine
 
 
 def flag(argv, name):
     return argv[argv.index(name) + 1]
 
 
-def test_plan_covers_issues_14_and_26_and_runs_seed_42_of_everything_first():
+def test_plan_covers_every_target_and_runs_seed_42_of_everything_first():
     plan = convergence.run_plan(convergence.parse_args([]))
     names = [name for name, *_ in plan]
     assert len(names) == len(set(names)), "two runs would share one JSON file"
@@ -27,7 +30,7 @@ def test_plan_covers_issues_14_and_26_and_runs_seed_42_of_everything_first():
     for seed in (42, 43):
         for rank, rounds in ((0, 2), (4, 2), (4, 1)):
             assert ("lstm_language_model", rank, rounds, 0, seed) in runs
-        # Issue 26: plain vs two ranks, rounds=2, PowerSGD from the end of the LR warm-up.
+        # The transformer: plain vs two ranks, rounds=2, PowerSGD from the end of the LR warm-up.
         assert ("transformer_lm", 0, 2, 0, seed) in runs
         for rank in (4, 16):
             assert ("transformer_lm", rank, 2, 200, seed) in runs
@@ -120,13 +123,13 @@ def write_runs(folder, records):
         name = f"{r['config']['key']}-s{r['args']['seed']}.json"
         with open(os.path.join(folder, name), "w") as f:
             json.dump(r, f)
-    return convergence.load_runs(str(folder))
+    return convergence_report.load_runs(str(folder))
 
 
 def test_targets_compare_seed_means_and_name_misses(tmp_path):
-    plain = convergence.Config("fashion_mnist", 0)
-    r2 = convergence.Config("fashion_mnist", 2)
-    r2_one = convergence.Config("fashion_mnist", 2, rounds=1)
+    plain = Config("fashion_mnist", 0)
+    r2 = Config("fashion_mnist", 2)
+    r2_one = Config("fashion_mnist", 2, rounds=1)
     runs = [fake_record(plain, s, [0.90, a], 1.0) for s, a in ((42, 0.920), (43, 0.918))]
     # Mean 0.9175 vs 0.919: 0.15 pp behind -> met at 104x.
     runs += [fake_record(r2, s, [0.89, a], 104.5) for s, a in ((42, 0.916), (43, 0.919))]
@@ -134,12 +137,12 @@ def test_targets_compare_seed_means_and_name_misses(tmp_path):
     runs += [fake_record(r2_one, 42, [0.88, 0.921], 203.0)]
     runs += [fake_record(r2_one, 43, [0.88, float("nan")], 203.0)]
     groups = write_runs(tmp_path / "convergence", runs)
-    lines = convergence._targets(groups)
+    lines = convergence_report._targets(groups)
     assert len(lines) == 2, lines
     assert "rank 2, rounds=2: **met**" in lines[0] and "-0.15 pp" in lines[0]
     assert "rank 2, rounds=1: **missed**" in lines[1] and "diverged" in lines[1]
 
-    convergence.write_report(groups, str(tmp_path))
+    convergence_report.write_report(groups, str(tmp_path))
     report = (tmp_path / "convergence.md").read_text()
     assert "91.75 ± 0.21 (91.60-91.90) | -0.15 pp" in report
     # Last 3 epochs (here both): rank 2 89, 91.6, 89, 91.9; plain 90, 92, 90, 91.8.
@@ -151,40 +154,40 @@ def test_targets_compare_seed_means_and_name_misses(tmp_path):
 
 
 def test_comparisons_pair_seeds_with_plain(tmp_path):
-    plain = convergence.Config("fashion_mnist", 0)
-    r2 = convergence.Config("fashion_mnist", 2)
-    warm = convergence.Config("fashion_mnist", 2, start_iter=100)
+    plain = Config("fashion_mnist", 0)
+    r2 = Config("fashion_mnist", 2)
+    warm = Config("fashion_mnist", 2, start_iter=100)
     runs = [fake_record(plain, s, [0.9, a], 1.0) for s, a in ((42, 0.92), (43, 0.90))]
     runs += [fake_record(r2, s, [0.9, a], 104.5) for s, a in ((42, 0.918), (43, 0.899))]
     runs += [fake_record(warm, 42, [0.9, 0.917], 8.7)]  # seed 42 only
     groups = write_runs(tmp_path / "convergence", runs)
     # Against plain seed 42 alone (92.0), not the mean of 42 and 43 (91.0).
     assert "| rank 2, rounds=2, start_iter 100 | 42 | 2 | 91.70 ± — (91.70-91.70) | -0.30 pp" in (
-        "\n".join(convergence._summary_table("fashion_mnist", groups))
+        "\n".join(convergence_tables.summary_table("fashion_mnist", groups))
     )
-    warmup = "\n".join(convergence._warmup_table(groups))
+    warmup = "\n".join(convergence_tables.warmup_table(groups))
     assert "Seeds 42 (those every row has)" in warmup
     assert "| rank 2, rounds=2 | 91.80 % |" in warmup, "seed 43 left out of this row"
 
 
 def test_a_seed_plain_lacks_is_left_out_of_the_gap_and_named(tmp_path):
-    plain = convergence.Config("lstm_language_model", 0)
-    r4 = convergence.Config("lstm_language_model", 4)
+    plain = Config("lstm_language_model", 0)
+    r4 = Config("lstm_language_model", 4)
     runs = [lstm_record(plain, 43, [200, 100], [20, 20])]  # plain seed 42 not run yet
     runs += [lstm_record(r4, 42, [200, 90], [20, 20]), lstm_record(r4, 43, [200, 101], [20, 20])]
     groups = write_runs(tmp_path / "convergence", runs)
     # Seed 43 alone: 101 vs 100, +1 %. Both seeds against plain 43 would read -4.5 %.
-    (target,) = convergence._targets(groups)
+    (target,) = convergence_report._targets(groups)
     assert "**met**" in target and "+1.00 % vs plain" in target, target
     assert "seeds 43 vs plain 43 (seed 42: no plain run to compare with yet)" in target, target
-    summary = "\n".join(convergence._summary_table("lstm_language_model", groups))
+    summary = "\n".join(convergence_tables.summary_table("lstm_language_model", groups))
     assert "| 42,43 | 2 | 97.41 ± 7.93 (91.80-103.02) | +1.0 % |" in summary, summary
-    gap = convergence._gap_by_epoch_table(groups)
+    gap = convergence_tables.gap_by_epoch_table(groups)
     assert gap[-1] == "| 2 | 102.00 | 97.41 | +1.0 % |", gap
 
 
 def test_a_finished_run_is_not_run_again(tmp_path, monkeypatch):
-    config = convergence.Config("fashion_mnist", 2)
+    config = Config("fashion_mnist", 2)
     args = convergence.parse_args(["--out", str(tmp_path)])
     write_runs(tmp_path / "convergence", [fake_record(config, 42, [0.9], 104.5)])
 
@@ -212,8 +215,8 @@ def lstm_record(config, seed, valid, lrs):
 
 
 def test_lstm_report_says_where_validation_flattened(tmp_path):
-    plain = convergence.Config("lstm_language_model", 0)
-    r4 = convergence.Config("lstm_language_model", 4)
+    plain = Config("lstm_language_model", 0)
+    r4 = Config("lstm_language_model", 4)
     # Plain stalls in epoch 5 (LR 20 -> 5), improves 1.4 %, then loses 0.3 %; over the last
     # three epochs -0.1 % an epoch: flat. Its best epoch is 6, not the last (test = 1.02 x valid).
     valid = [200, 160, 150, 145, 146, 144, 144.5]
@@ -221,23 +224,23 @@ def test_lstm_report_says_where_validation_flattened(tmp_path):
     # Rank 4's last epoch moves only 0.7 %, but the three before it 3.9 % an epoch: not flat.
     runs += [lstm_record(r4, 42, [210, 170, 160, 152, 151], [20] * 5)]
     groups = write_runs(tmp_path / "convergence", runs)
-    table = "\n".join(convergence._flattening_table(groups))
+    table = "\n".join(convergence_tables.flattening_table(groups))
     row = "| plain Horovod | 42 | 7 | 144.0 (6) | 146.88 | +0.3 % | -0.1 % | 5 | yes |"
     assert row in table, table
     assert "| 42 | 5 | 151.0 (5) | 154.02 | -0.7 % | -3.9 % | — | no |" in table, table
-    (target,) = convergence._targets(groups)
+    (target,) = convergence_report._targets(groups)
     # Compared at epoch 5, the last both have: +3.4 %, not rank 4's epoch 5 vs plain's 7.
     assert (
         "after 5/7 epochs, compared at epoch 5, which all runs have (validation perplexity still"
         " falling" in target
     ), target
     assert "+3.42 % vs plain" in target, target
-    convergence.write_report(groups, str(tmp_path))
+    convergence_report.write_report(groups, str(tmp_path))
     assert "### Did validation perplexity flatten?" in (tmp_path / "convergence.md").read_text()
 
 
 def test_a_run_asked_for_more_epochs_goes_on_and_keeps_its_first_command(tmp_path, monkeypatch):
-    config = convergence.Config("lstm_language_model", 4)
+    config = Config("lstm_language_model", 4)
     args = convergence.parse_args(["--out", str(tmp_path)])
     runs_dir = tmp_path / "convergence"
     (done,) = write_runs(runs_dir, [lstm_record(config, 42, [150.0, 120.0], [20, 20])])[config.key]
@@ -267,15 +270,15 @@ def test_a_run_asked_for_more_epochs_goes_on_and_keeps_its_first_command(tmp_pat
     log = (runs_dir / f"{name}.log").read_text()  # the earlier epochs' output stays
     assert log.startswith("epoch 1\nepoch 2\n[convergence] launched ")
     assert "--epochs 3" in log and log.endswith("epoch 3: the new launch\n")
-    convergence.write_report(convergence.load_runs(str(runs_dir)), str(tmp_path))
+    convergence_report.write_report(convergence_report.load_runs(str(runs_dir)), str(tmp_path))
     report = (tmp_path / "convergence.md").read_text()
     assert done["launch"]["command"] in report and "--epochs 3" in report
 
 
 def test_lstm_report_shows_the_gap_to_plain_epoch_by_epoch(tmp_path):
-    plain = convergence.Config("lstm_language_model", 0)
-    r4 = convergence.Config("lstm_language_model", 4)
-    r4_one = convergence.Config("lstm_language_model", 4, rounds=1)
+    plain = Config("lstm_language_model", 0)
+    r4 = Config("lstm_language_model", 4)
+    r4_one = Config("lstm_language_model", 4, rounds=1)
     # lstm_record's test perplexity is 1.02 x validation.
     runs = [lstm_record(plain, 42, [200, 100, 50], [20] * 3)]
     runs += [lstm_record(plain, 43, [200, 110, 60], [20] * 3)]
@@ -283,7 +286,7 @@ def test_lstm_report_shows_the_gap_to_plain_epoch_by_epoch(tmp_path):
     runs += [lstm_record(r4, 43, [220, 115.5, 61], [20] * 3)]
     runs += [lstm_record(r4_one, 42, [240, 110], [20] * 2)]  # seed 42 only, 2 epochs so far
     groups = write_runs(tmp_path / "convergence", runs)
-    table = convergence._gap_by_epoch_table(groups)
+    table = convergence_tables.gap_by_epoch_table(groups)
     head = "| epoch | plain Horovod | rank 4, rounds=1 | vs plain | rank 4, rounds=2 | vs plain |"
     assert table[0] == head, "configurations in the summary table's order"
     # Only the epochs every run has; rounds=1 against plain seed 42 alone (102.0 at epoch 2,
@@ -292,12 +295,12 @@ def test_lstm_report_shows_the_gap_to_plain_epoch_by_epoch(tmp_path):
         "| 1 | 204.00 | 244.80 | +20.0 % | 224.40 | +10.0 % |",
         "| 2 | 107.10 | 112.20 | +10.0 % | 112.46 | +5.0 % |",
     ]
-    convergence.write_report(groups, str(tmp_path))
+    convergence_report.write_report(groups, str(tmp_path))
     assert "### Test perplexity epoch by epoch" in (tmp_path / "convergence.md").read_text()
 
 
 def test_a_run_trained_on_another_lr_schedule_is_not_extended(tmp_path, monkeypatch, capsys):
-    config = convergence.Config("lstm_language_model", 4)
+    config = Config("lstm_language_model", 4)
     args = convergence.parse_args(["--out", str(tmp_path)])
     runs_dir = tmp_path / "convergence"
     # Seed 42 cut its LR after epoch 2 (a stall); seed 43 ran 3 epochs at the base LR.
@@ -322,9 +325,9 @@ def test_a_run_trained_on_another_lr_schedule_is_not_extended(tmp_path, monkeypa
 
 
 def test_transformer_report_reads_the_cosine_runs(tmp_path):
-    plain = convergence.Config("transformer_lm", 0)
-    r4 = convergence.Config("transformer_lm", 4, start_iter=200)
-    r16 = convergence.Config("transformer_lm", 16, start_iter=200)
+    plain = Config("transformer_lm", 0)
+    r4 = Config("transformer_lm", 4, start_iter=200)
+    r16 = Config("transformer_lm", 16, start_iter=200)
     runs = []
     for config, valid, ratio in ((plain, [300, 200, 150, 149], 1.0),
                                  (r4, [320, 210, 160, 156], 16.4),
@@ -337,7 +340,7 @@ def test_transformer_report_reads_the_cosine_runs(tmp_path):
         record["final"]["ratio"] = ratio
         runs.append(record)
     groups = write_runs(tmp_path / "convergence", runs)
-    targets = convergence._targets(groups)
+    targets = convergence_report._targets(groups)
     # Rank 4: 156 vs 149 x 1.02 is +4.7 %: missed; rank 16: +1.0 % at 8.7x: met.
     assert len(targets) == 2, targets
     assert targets[0].startswith("- transformer_lm, rank 4, rounds=2, start_iter 200: **missed**")
@@ -345,14 +348,14 @@ def test_transformer_report_reads_the_cosine_runs(tmp_path):
     assert (
         "rank 16, rounds=2, start_iter 200: **met** (within 2.0 %, >= 8x fewer bytes)" in targets[1]
     )
-    table = "\n".join(convergence._flattening_table(groups, "transformer_lm"))
+    table = "\n".join(convergence_tables.flattening_table(groups, "transformer_lm"))
     assert "| plain Horovod | 42 | 4 | 149.0 (4) |" in table, table
     # Still falling 21 % an epoch over the last three: not flat, and the verdict says so.
     assert "| -0.7 % | -20.8 % | cosine over 4 epochs | no |" in table, table
     assert "(validation perplexity still falling" in targets[1]
-    gap = convergence._gap_by_epoch_table(groups, "transformer_lm")
+    gap = convergence_tables.gap_by_epoch_table(groups, "transformer_lm")
     assert gap[0].startswith("| epoch | plain Horovod | rank 4, rounds=2, start_iter 200 |")
-    convergence.write_report(groups, str(tmp_path))
+    convergence_report.write_report(groups, str(tmp_path))
     report = (tmp_path / "convergence.md").read_text()
     assert "## transformer_lm" in report and "same warm-up and cosine" in report
     assert (tmp_path / "convergence_transformer_lm.png").stat().st_size > 10_000
@@ -361,15 +364,15 @@ def test_transformer_report_reads_the_cosine_runs(tmp_path):
 def test_a_transformer_campaign_cut_before_its_schedule_ends_says_partial(tmp_path):
     # Runs of 2 epochs whose cosine spans 8: the verdict must not read as the final one.
     runs = []
-    plain = convergence.Config("transformer_lm", 0)
-    r16 = convergence.Config("transformer_lm", 16, start_iter=200)
+    plain = Config("transformer_lm", 0)
+    r16 = Config("transformer_lm", 16, start_iter=200)
     for config, ratio in ((plain, 1.0), (r16, 6.4)):
         record = lstm_record(config, 42, [300, 200], [1e-3, 9e-4])
         record["example"] = "transformer_lm"
         record["args"]["decay_epochs"] = 8
         record["final"]["ratio"] = ratio
         runs.append(record)
-    (target,) = convergence._targets(write_runs(tmp_path / "convergence", runs))
+    (target,) = convergence_report._targets(write_runs(tmp_path / "convergence", runs))
     assert (
         "**not decided yet** (within 2.0 %, >= 8x fewer bytes) after 2 epochs"
         " (the LR schedule spans 8: partial)" in target
@@ -389,7 +392,7 @@ def test_a_run_whose_checkpoint_is_gone_trains_again_and_keeps_the_earlier_recor
     tmp_path, monkeypatch, capsys
 ):
     # Checkpoints are not in git: on a fresh machine a 2-epoch run asked for 3 cannot go on.
-    config = convergence.Config("transformer_lm", 0)
+    config = Config("transformer_lm", 0)
     args = convergence.parse_args(["--out", str(tmp_path)])
     runs_dir = tmp_path / "convergence"
     earlier = lstm_record(config, 42, [150.0, 120.0], [1e-3, 5e-4])
@@ -424,8 +427,8 @@ def test_a_run_whose_checkpoint_is_gone_trains_again_and_keeps_the_earlier_recor
     assert replaced["epochs"] == earlier["epochs"] and replaced["launch"] == earlier["launch"]
     log = (runs_dir / "transformer_lm-plain-s42.log").read_text()
     assert "the earlier run" not in log and log.endswith("epoch 1 again\n")
-    groups = convergence.load_runs(str(runs_dir))
-    (line,) = convergence._retrained_lines(groups, "transformer_lm")
+    groups = convergence_report.load_runs(str(runs_dir))
+    (line,) = convergence_tables.retrained_lines(groups, "transformer_lm")
     assert "first launched 2026-11-30 10:00:00 UTC, had 2 epochs" in line, line
     assert "differs by at most 1.00 % (epoch 2: 122.40 then, 123.62 now)" in line, line
     # With the checkpoint there, the same call goes on from it instead.
@@ -443,8 +446,8 @@ def test_a_run_whose_checkpoint_is_gone_trains_again_and_keeps_the_earlier_recor
 
 def test_runs_of_different_lengths_compare_at_the_epoch_all_have(tmp_path):
     # Plain trained again to 4 epochs; rank 4 still has the 2 of an earlier session.
-    plain = convergence.Config("transformer_lm", 0)
-    r4 = convergence.Config("transformer_lm", 4, start_iter=200)
+    plain = Config("transformer_lm", 0)
+    r4 = Config("transformer_lm", 4, start_iter=200)
     runs = []
     for config, valid in ((plain, [300, 200, 100, 90]), (r4, [306, 204])):
         record = lstm_record(config, 42, valid, [1e-3] * len(valid))
@@ -452,14 +455,14 @@ def test_runs_of_different_lengths_compare_at_the_epoch_all_have(tmp_path):
         record["args"]["decay_epochs"] = 4
         runs.append(record)
     groups = write_runs(tmp_path / "convergence", runs)
-    (target,) = convergence._targets(groups)
+    (target,) = convergence_report._targets(groups)
     # +2.0 % at epoch 2, not +127 % against plain's epoch 4.
     assert (
         "after 2/4 epochs (the LR schedule spans 4: partial), compared at epoch 2,"
         " which all runs have" in target
     ), target
     assert "+2.00 % vs plain" in target and "**not decided yet**" in target, target
-    summary = "\n".join(convergence._summary_table("transformer_lm", groups))
+    summary = "\n".join(convergence_tables.summary_table("transformer_lm", groups))
     assert "| +2.0 % (epoch 2) |" in summary and "| +2.0 % (epochs 1-2) |" in summary, summary
 
 
@@ -468,7 +471,7 @@ def test_a_run_records_its_machine_and_the_report_names_machines_where_they_diff
 ):
     # Sessions get machines of one kind with different CPUs: a rerun elsewhere is not
     # bitwise alike and its epoch times are not comparable, so the report must say where.
-    config = convergence.Config("transformer_lm", 16, start_iter=200)
+    config = Config("transformer_lm", 16, start_iter=200)
     args = convergence.parse_args(["--out", str(tmp_path)])
     runs_dir = tmp_path / "convergence"
     earlier = lstm_record(config, 42, [150.0, 120.0], [1e-3, 5e-4])
@@ -491,27 +494,28 @@ def test_a_run_records_its_machine_and_the_report_names_machines_where_they_diff
     convergence.run_one(name, config, argv, args, str(runs_dir))
     with open(runs_dir / f"{name}.json") as f:
         assert json.load(f)["launch"]["machine"] == "Other CPU (family 6, model 207), 2 cores"
-    plain = lstm_record(convergence.Config("transformer_lm", 0), 42, [149.0, 121.0], [1, 1])
+    plain = lstm_record(Config("transformer_lm", 0), 42, [149.0, 121.0], [1, 1])
     plain["example"] = "transformer_lm"
     write_runs(runs_dir, [plain])
-    groups = convergence.load_runs(str(runs_dir))
-    (line,) = convergence._retrained_lines(groups, "transformer_lm")
+    groups = convergence_report.load_runs(str(runs_dir))
+    (line,) = convergence_tables.retrained_lines(groups, "transformer_lm")
     assert line.endswith(
         "Then on a machine not recorded, now on Other CPU (family 6, model 207), 2 cores."
     ), line
-    machines = "\n".join(convergence._machines_lines(groups, "transformer_lm"))
+    machines = "\n".join(convergence_tables.machines_lines(groups, "transformer_lm"))
     assert "- plain Horovod, seed 42: not recorded" in machines, machines
     assert "- rank 16, rounds=2, start_iter 200, seed 42: Other CPU (family 6" in machines
     # Runs all on one machine need no such section.
     plain["launch"]["machine"] = "Other CPU (family 6, model 207), 2 cores"
     write_runs(runs_dir, [plain])
-    assert convergence._machines_lines(convergence.load_runs(str(runs_dir)), "transformer_lm") == []
+    groups = convergence_report.load_runs(str(runs_dir))
+    assert convergence_tables.machines_lines(groups, "transformer_lm") == []
 
 
 def test_epoch_times_are_not_one_median_over_different_machines(tmp_path):
     # Plain seed 42 trained at 649 s an epoch on one CPU, seed 43 at 806 s on another:
     # one median of both (715 s) is neither machine's time.
-    config = convergence.Config("transformer_lm", 0)
+    config = Config("transformer_lm", 0)
     runs = []
     for seed, seconds, where in ((42, 650.0, None), (43, 800.0, "CPU B"), (44, 820.0, "CPU B")):
         r = lstm_record(config, seed, [150.0, 120.0, 110.0], [1e-3, 5e-4, 1e-4])
@@ -522,16 +526,16 @@ def test_epoch_times_are_not_one_median_over_different_machines(tmp_path):
             r["launch"]["machine"] = where
         runs.append(r)
     groups = write_runs(tmp_path / "convergence", runs)
-    (row,) = convergence._summary_table("transformer_lm", groups)[2:]
+    (row,) = convergence_tables.summary_table("transformer_lm", groups)[2:]
     assert row.endswith("| 650 s / 810 s (2 machines) |"), row
     # All on one machine: the one median, as before.
     groups = write_runs(tmp_path / "one", runs[1:])
-    (row,) = convergence._summary_table("transformer_lm", groups)[2:]
+    (row,) = convergence_tables.summary_table("transformer_lm", groups)[2:]
     assert row.endswith("| 810 s |"), row
 
 
 def test_machine_names_this_processor_and_its_cores():
-    text = convergence.machine()
+    text = machine()
     assert text.endswith(f", {os.cpu_count()} cores") and len(text) > len(" cores") + 3, text
 
 
@@ -539,8 +543,8 @@ def test_a_seed_still_training_is_held_out_of_the_seed_means_until_it_catches_up
     # The campaign trains one seed at a time: rank 4 seed 43 has 2 of 4 epochs while seed 42
     # and plain's two seeds have all 4. Averaging its epoch 2 with seed 42's epoch 4 read
     # "66.97 ± 29.44" and "+nan %" on the real campaign.
-    plain = convergence.Config("transformer_lm", 0)
-    r4 = convergence.Config("transformer_lm", 4, start_iter=200)
+    plain = Config("transformer_lm", 0)
+    r4 = Config("transformer_lm", 4, start_iter=200)
     runs = []
     for config, seed, valid in ((plain, 42, [300, 200, 100, 90]),
                                 (plain, 43, [302, 198, 101, 91]),
@@ -551,12 +555,12 @@ def test_a_seed_still_training_is_held_out_of_the_seed_means_until_it_catches_up
         record["args"]["decay_epochs"] = 4
         runs.append(record)
     groups = write_runs(tmp_path / "convergence", runs)
-    kept, behind = convergence._current(groups)
+    kept, behind = convergence_report._current(groups)
     assert [(r["config"]["rank"], r["args"]["seed"]) for r in behind] == [(4, 43)]
     assert [r["args"]["seed"] for r in kept[r4.key]] == [42]
     assert [r["args"]["seed"] for r in kept[plain.key]] == [42, 43]
 
-    convergence.write_report(groups, str(tmp_path))
+    convergence_report.write_report(groups, str(tmp_path))
     report = (tmp_path / "convergence.md").read_text()
     assert "nan" not in report.lower(), "no NaN text from too few epochs"
     # Rank 4 reads seed 42 alone at its epoch 4 (92 x 1.02), paired with plain seed 42 (90).
@@ -578,5 +582,5 @@ def test_a_seed_still_training_is_held_out_of_the_seed_means_until_it_catches_up
     # Once it has all 4 epochs it is back in the means.
     runs[-1] = lstm_record(r4, 43, [330, 230, 104, 93], [1e-3, 8e-4, 3e-4, 1e-4])
     runs[-1]["example"] = "transformer_lm"
-    _, behind = convergence._current(write_runs(tmp_path / "convergence", runs))
+    _, behind = convergence_report._current(write_runs(tmp_path / "convergence", runs))
     assert behind == []
