@@ -1,6 +1,6 @@
-"""What the two examples share: flags, the optimizer switch, byte counting, metrics.
+"""What the examples share: flags, device, the optimizer switch, byte counting, metrics.
 
-Kept to the parts that are identical in both scripts; everything that teaches
+Kept to the parts that are identical in the scripts; everything that teaches
 how to use Horovod or PowerSGD stays in the scripts themselves.
 """
 
@@ -44,6 +44,18 @@ def add_common_args(parser: argparse.ArgumentParser, start_iter_help: str | None
         type=int,
         default=0 if start_iter_help is None else None,
         help=start_iter_help or "uncompressed steps before PowerSGD starts",
+    )
+    parser.add_argument(
+        "--fp16-allreduce",
+        action="store_true",
+        default=False,
+        help="send gradients (PowerSGD: P, Q and the uncompressed tensors) in float16",
+    )
+    parser.add_argument(
+        "--no-cuda",
+        action="store_true",
+        default=False,
+        help="train on the CPU even where a GPU is available",
     )
     parser.add_argument(
         "--min-compression-rate",
@@ -97,11 +109,46 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def training_device(args) -> torch.device:
+    """This worker's device: the GPU of its local rank where there is one, else the CPU.
+
+    One process per GPU. horovodrun and mpirun show every process all of its
+    node's GPUs, and local rank i (the i-th process on a node) takes GPU i;
+    where the launcher shows a process only its own GPU (``srun
+    --gpus-per-task=1``), that one, GPU 0, is it.
+
+    Example:
+        >>> training_device(argparse.Namespace(no_cuda=True))
+        device(type='cpu')
+    """
+    if args.no_cuda or not torch.cuda.is_available():
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    index = hvd.local_rank() if visible > 1 else 0  # Horovod: this process's rank on its node.
+    if index >= visible:
+        raise RuntimeError(
+            f"local rank {index} has no GPU of its own: this process sees {visible} GPUs; "
+            "start one process per GPU on each node, or pass --no-cuda"
+        )
+    # Horovod: pin one GPU per process, before anything touches CUDA.
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def wire_compression(args):
+    # Horovod: (optional) compression of what goes on the wire.
+    return hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
+
+
 def distributed_optimizer(optimizer, model, args):
     """Wrap ``optimizer`` for data-parallel training, PowerSGD unless rank is 0."""
     if args.powersgd_rank == 0:
         # Horovod: plain averaged all-reduce of every gradient (the baseline).
-        return hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        return hvd.DistributedOptimizer(
+            optimizer,
+            named_parameters=model.named_parameters(),
+            compression=wire_compression(args),
+        )
     import horovod_powersgd as hps
 
     if args.powersgd_log_every:
@@ -112,6 +159,7 @@ def distributed_optimizer(optimizer, model, args):
     return hps.DistributedOptimizer(
         optimizer,
         named_parameters=model.named_parameters(),
+        compression=wire_compression(args),
         rank=args.powersgd_rank,
         rounds=args.rounds,
         start_iter=args.start_iter,
@@ -125,15 +173,18 @@ class CommunicationMeter:
     """Cumulative communication totals in the shape of ``compression_stats()``.
 
     PowerSGD counts its own bytes. Plain Horovod all-reduces every gradient
-    once per step at its own dtype, so the meter counts that itself.
+    once per step at the dtype ``compression`` sends it in, so the meter counts
+    that itself.
     """
 
-    def __init__(self, optimizer, model):
+    def __init__(self, optimizer, model, compression=hvd.Compression.none):
         self.optimizer = optimizer
         self.powersgd = hasattr(optimizer, "compression_stats")
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._elements_per_step = sum(p.numel() for p in self._params)
-        self._bytes_per_step = sum(p.numel() * p.element_size() for p in self._params)
+        # Bytes at the dtype the compressor puts each gradient on the wire in.
+        wire = [compression.compress(p.new_empty(0))[0] for p in self._params]
+        self._bytes_per_step = sum(p.numel() * w.element_size() for p, w in zip(self._params, wire))
         self._steps = 0
 
     def step(self) -> None:
@@ -176,11 +227,15 @@ class TensorBoardLog:
             self.writer = SummaryWriter(directory)
         self._losses: list = []
 
-    def train_step(self, loss: float) -> None:
-        """Call after each step (and ``meter.step()``) with this step's loss."""
+    def train_step(self, loss) -> None:
+        """Call after each step (and ``meter.step()``) with this step's loss (a tensor).
+
+        Only rank 0 with a log reads its value: elsewhere the step does not wait
+        for the device.
+        """
         if self.writer is None:
             return
-        self._losses.append(loss)
+        self._losses.append(loss.item())
         totals = self.meter.totals()
         step = totals["steps"]
         if step % self.every:
@@ -217,10 +272,25 @@ def epoch_communication(before: dict, after: dict) -> dict:
     }
 
 
-def sum_across_ranks(*values: float, name: str) -> list:
+def sum_across_ranks(*values, name: str) -> list:
+    """Every rank's ``values`` (numbers, or 0-d tensors on the training device) summed.
+
+    The sum is taken in float64 on the device of the tensors among them, so
+    metrics summed on the GPU during an epoch are read back once, here.
+    """
+    device = next((v.device for v in values if torch.is_tensor(v)), torch.device("cpu"))
+    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
     # Horovod: one all-reduce sums every rank's metrics (each rank saw a shard).
-    summed = hvd.allreduce(torch.tensor(values, dtype=torch.float64), op=hvd.Sum, name=name)
+    summed = hvd.allreduce(stacked, op=hvd.Sum, name=name)
     return summed.tolist()
+
+
+def zero(device) -> torch.Tensor:
+    """A float64 sum to add a loop's tensors to on ``device`` without waiting for it.
+
+    float64 like the Python floats it replaces: the same sums, bit for bit.
+    """
+    return torch.zeros((), dtype=torch.float64, device=device)
 
 
 def progress(iterable, total: int, args, desc: str):
@@ -276,13 +346,14 @@ def log(message: str) -> None:
 class Recorder:
     """Collects per-epoch metrics and writes them as JSON on rank 0."""
 
-    def __init__(self, example: str, args, argv):
+    def __init__(self, example: str, args, argv, device: torch.device):
         self.start = time.perf_counter()
         self.record = {
             "example": example,
             "command": " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or [])]),
             "args": vars(args),
             "world_size": hvd.size(),  # Horovod: number of workers.
+            "device": str(device),  # rank 0's; every rank trains on its own
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "epochs": [],
         }
@@ -377,21 +448,27 @@ def log_lm_epoch(metrics: dict, more: str = "") -> None:
     )
 
 
-def lm_checkpoint_extra(settings, recorder, meter, **more) -> dict:
+def lm_checkpoint_extra(settings, recorder, meter, device, **more) -> dict:
     """What an LM's checkpoint holds beside the weights: enough to go on as if never stopped."""
+    # On a GPU dropout draws from the device's generator, not the CPU's.
+    cuda_rng = torch.cuda.get_rng_state() if device.type == "cuda" else None
     return dict(settings=settings, epochs=recorder.record["epochs"],
                 meter_steps=meter.totals()["steps"], rng=torch.get_rng_state(),
-                **more)  # fmt: skip
+                cuda_rng=cuda_rng, **more)  # fmt: skip
 
 
-def lm_resume(saved, recorder, meter, path) -> tuple:
+def lm_resume(saved, recorder, meter, path, device) -> tuple:
     """Continues the record, byte count and dropout stream of `saved` (an LM checkpoint's extra).
 
     Returns (first epoch to train, last validation perplexity, last test perplexity).
     """
     recorder.resume(saved["epochs"])
     meter.resume(saved["meter_steps"])
-    torch.set_rng_state(saved["rng"])  # dropout masks continue their stream
+    # Dropout masks continue their stream. (.cpu(): the checkpoint may have been read
+    # onto the GPU; the generators' states are CPU tensors.)
+    torch.set_rng_state(saved["rng"].cpu())
+    if device.type == "cuda" and saved.get("cuda_rng") is not None:
+        torch.cuda.set_rng_state(saved["cuda_rng"].cpu())
     last = saved["epochs"][-1]
     log(f"resumed from {path} after epoch {len(saved['epochs'])}")
     return len(saved["epochs"]) + 1, last["valid_perplexity"], last["test_perplexity"]

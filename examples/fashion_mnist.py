@@ -13,6 +13,9 @@ Launch (from the repository root):
     # TensorBoard scalars (loss, accuracy, bytes, per-layer error) and a PowerSGD log line
     horovodrun -np 2 -H localhost:2 python examples/fashion_mnist.py \
         --tensorboard runs/fashion --powersgd-log-every 100
+    # GPU nodes: one process per GPU, each trains on the GPU of its local rank
+    # (--no-cuda keeps the CPU); --fp16-allreduce halves the bytes again
+    horovodrun -np 8 -H node1:4,node2:4 python examples/fashion_mnist.py --fp16-allreduce
 
 The data are the IDX files of Debian's ``dataset-fashion-mnist`` package
 (/usr/share/datasets/fashion-mnist), or any copy of them via ``--data-dir``,
@@ -161,14 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def evaluate(model, loader) -> tuple:
+def evaluate(model, loader, device) -> tuple:
     model.eval()
-    loss_sum = correct = count = 0.0
+    loss_sum, correct, count = common.zero(device), common.zero(device), 0
     with torch.no_grad():
         for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             out = model(x)
-            loss_sum += F.cross_entropy(out, y, reduction="sum").item()
-            correct += (out.argmax(1) == y).sum().item()
+            loss_sum += F.cross_entropy(out, y, reduction="sum")
+            correct += (out.argmax(1) == y).sum()
             count += len(y)
     # Horovod: every rank scored its own shard; sum them for the whole test set.
     loss_sum, correct, count = common.sum_across_ranks(loss_sum, correct, count, name="eval")
@@ -179,8 +183,9 @@ def main(argv=None) -> dict:
     """Train and evaluate; returns the metrics record (also written with --json)."""
     args = common.parse(build_parser(), argv)
     hvd.init()  # Horovod: initialise (a no-op when already done).
+    device = common.training_device(args)  # Horovod: the GPU of this local rank, if any.
     common.seed_everything(args.seed)
-    recorder = common.Recorder("fashion_mnist", args, argv)
+    recorder = common.Recorder("fashion_mnist", args, argv, device)
 
     train_set = load_split(args.data_dir, "train", args.train_subset)
     test_set = load_split(args.data_dir, "t10k", args.eval_subset)
@@ -188,12 +193,16 @@ def main(argv=None) -> dict:
     train_sampler = DistributedSampler(
         train_set, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=True, seed=args.seed
     )
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=train_sampler)
+    # Pinned host memory lets the copies to the GPU run while it computes.
+    pin = device.type == "cuda"
+    train_loader = DataLoader(
+        train_set, batch_size=args.batch_size, sampler=train_sampler, pin_memory=pin
+    )
     # Horovod: each worker scores a disjoint shard (no padding, so the sum is exact).
     test_shard = Subset(test_set, range(hvd.rank(), len(test_set), hvd.size()))
-    test_loader = DataLoader(test_shard, batch_size=1000)
+    test_loader = DataLoader(test_shard, batch_size=1000, pin_memory=pin)
 
-    model = Net()
+    model = Net().to(device)
     # Horovod: scale the learning rate by the number of workers (the batch grows with it).
     optimizer = torch.optim.SGD(
         model.parameters(),
@@ -206,13 +215,13 @@ def main(argv=None) -> dict:
     # Horovod: start every worker from rank 0's weights and optimizer state.
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    meter = common.CommunicationMeter(optimizer, model)
+    meter = common.CommunicationMeter(optimizer, model, common.wire_compression(args))
     board = common.TensorBoardLog(args.tensorboard, meter)  # rank 0 only
     method = f"PowerSGD rank {args.powersgd_rank}" if args.powersgd_rank else "plain all-reduce"
     common.log(
         f"Fashion-MNIST: {len(train_set)} train / {len(test_set)} test images, "
         f"{sum(p.numel() for p in model.parameters()):,} parameters, {common.workers()}, "
-        f"{method}"
+        f"{method}, rank 0 on {device}"
     )
 
     test_loss = accuracy = float("nan")
@@ -223,16 +232,17 @@ def main(argv=None) -> dict:
         steps_per_epoch = len(train_loader)
         if args.max_steps:
             steps_per_epoch = min(steps_per_epoch, args.max_steps)
-        loss_sum = 0.0
+        loss_sum = common.zero(device)  # summed where the losses are: no wait per step
         bar = common.progress(train_loader, steps_per_epoch, args, f"epoch {epoch}")
         for step, (x, y) in enumerate(bar, 1):
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step()
             meter.step()
-            loss_sum += loss.item()
-            board.train_step(loss.item())
+            loss_sum += loss.detach()
+            board.train_step(loss)
             if hasattr(bar, "set_postfix"):
                 bar.set_postfix(loss=f"{loss.item():.3f}")
             if step == steps_per_epoch:
@@ -244,7 +254,7 @@ def main(argv=None) -> dict:
         # Horovod: mean training loss over all workers' steps.
         (train_loss,) = common.sum_across_ranks(loss_sum / steps_per_epoch, name="train_loss")
         train_loss /= hvd.size()
-        test_loss, accuracy = evaluate(model, test_loader)
+        test_loss, accuracy = evaluate(model, test_loader, device)
         wall = time.perf_counter() - start
         board.scalar("test/loss", test_loss)
         board.scalar("test/accuracy", accuracy)

@@ -321,15 +321,15 @@ def _check_lr_history(epochs, base: float, drop_after) -> None:
 
 
 def evaluate(model, streams, bptt: int) -> float:
-    """Perplexity over every worker's streams of one split."""
+    """Perplexity over every worker's streams of one split (on the training device)."""
     model.eval()
-    loss_sum, count, state = 0.0, 0, None
+    loss_sum, count, state = common.zero(streams.device), 0, None
     with torch.no_grad():
         for i in range(0, len(streams) - 1, bptt):
             x, y = streams[i : i + bptt], streams[i + 1 : i + 1 + bptt]
             x = x[: len(y)]
             out, state = model(x, state)
-            loss_sum += F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="sum").item()
+            loss_sum += F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="sum")
             count += y.numel()
     # Horovod: sum every worker's loss and token count, for the whole split.
     loss_sum, count = common.sum_across_ranks(loss_sum, count, name="eval")
@@ -338,8 +338,11 @@ def evaluate(model, streams, bptt: int) -> float:
 
 # Flags that may change when a run resumes; every other flag must match the checkpoint's.
 # --lr-drop-after may change as long as the epochs already trained followed it.
+# --no-cuda too: a run may go on on other hardware.
 RESUMABLE = {"epochs", "json", "checkpoint", "no_progress", "lr_drop_after", "tensorboard",
-             "powersgd_log_every"}  # fmt: skip
+             "powersgd_log_every", "no_cuda"}  # fmt: skip
+# Flags added after checkpoints were saved: such a checkpoint ran at their defaults.
+ADDED_LATER = {"fp16_allreduce": False}
 
 
 def save(path, model, optimizer, extra) -> None:
@@ -366,7 +369,9 @@ def resume(path, model, optimizer, settings) -> dict | None:
     checkpoint = problem = None
     if (powersgd or hvd.rank() == 0) and os.path.exists(path):
         try:
-            checkpoint = torch.load(path, weights_only=True)
+            # Onto the CPU: a GPU run's file also resumes with --no-cuda; the loads
+            # below copy the tensors to the model's device.
+            checkpoint = torch.load(path, weights_only=True, map_location="cpu")
             _same_settings(checkpoint["extra"]["settings"], settings)
         except Exception as e:
             problem = f"cannot resume from {path}: {e}"
@@ -390,6 +395,7 @@ def resume(path, model, optimizer, settings) -> dict | None:
 
 
 def _same_settings(saved, settings) -> None:
+    saved = {**ADDED_LATER, **saved}
     changed = {k: (saved.get(k), v) for k, v in settings.items() if saved.get(k) != v}
     if changed:
         listed = ", ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in changed.items())
@@ -403,15 +409,17 @@ def main(argv=None) -> dict:
     """Train and evaluate; returns the metrics record (also written with --json)."""
     args = common.parse(build_parser(), argv)
     hvd.init()  # Horovod: initialise (a no-op when already done).
+    device = common.training_device(args)  # Horovod: the GPU of this local rank, if any.
     common.seed_everything(args.seed)
-    recorder = common.Recorder("lstm_language_model", args, argv)
+    recorder = common.Recorder("lstm_language_model", args, argv, device)
 
     corpus = Corpus(load_paragraphs(args.docs_dir, args.text_file), args.vocab_size)
-    train = shard_streams(corpus.ids["train"], args.batch_size, args.train_subset)
-    valid = shard_streams(corpus.ids["valid"], 10, args.eval_subset)
-    test = shard_streams(corpus.ids["test"], 10, args.eval_subset)
+    # This worker's streams go to its device once; every window is a slice of them there.
+    train = shard_streams(corpus.ids["train"], args.batch_size, args.train_subset).to(device)
+    valid = shard_streams(corpus.ids["valid"], 10, args.eval_subset).to(device)
+    test = shard_streams(corpus.ids["test"], 10, args.eval_subset).to(device)
 
-    model = LanguageModel(len(corpus.words), args.size, args.layers, args.dropout)
+    model = LanguageModel(len(corpus.words), args.size, args.layers, args.dropout).to(device)
     # Horovod: scale the learning rate by the number of workers (the batch grows with it).
     base_lr = args.lr * hvd.size()
     optimizer = torch.optim.SGD(model.parameters(), lr=base_lr)
@@ -425,13 +433,14 @@ def main(argv=None) -> dict:
     # Horovod: start every worker from rank 0's weights and optimizer state.
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    meter = common.CommunicationMeter(optimizer, model)
+    meter = common.CommunicationMeter(optimizer, model, common.wire_compression(args))
     board = common.TensorBoardLog(args.tensorboard, meter)  # rank 0 only
     method = f"PowerSGD rank {args.powersgd_rank}" if args.powersgd_rank else "plain all-reduce"
     common.log(
         f"LSTM LM: {len(corpus.ids['train']):,} train / {len(corpus.ids['valid']):,} valid / "
         f"{len(corpus.ids['test']):,} test tokens, vocabulary {len(corpus.words):,}, "
-        f"{sum(p.numel() for p in model.parameters()):,} parameters, {common.workers()}, {method}"
+        f"{sum(p.numel() for p in model.parameters()):,} parameters, {common.workers()}, {method}, "
+        f"rank 0 on {device}"
     )
 
     valid_ppl = test_ppl = float("nan")
@@ -451,13 +460,15 @@ def main(argv=None) -> dict:
             for group in optimizer.param_groups:
                 group["lr"] = next_lr
         best_valid = saved["best_valid"]
-        first_epoch, valid_ppl, test_ppl = common.lm_resume(saved, recorder, meter, args.checkpoint)
+        first_epoch, valid_ppl, test_ppl = common.lm_resume(
+            saved, recorder, meter, args.checkpoint, device
+        )
     for epoch in range(first_epoch, args.epochs + 1):
         model.train()
         start, before = time.perf_counter(), meter.totals()
         starts = range(0, len(train) - 1, args.bptt)
         steps_per_epoch = min(len(starts), args.max_steps) if args.max_steps else len(starts)
-        loss_sum, state = 0.0, None
+        loss_sum, state = common.zero(device), None  # summed on the device: no wait per step
         bar = common.progress(starts, steps_per_epoch, args, f"epoch {epoch}")
         for step, i in enumerate(bar, 1):
             x, y = train[i : i + args.bptt], train[i + 1 : i + 1 + args.bptt]
@@ -474,8 +485,8 @@ def main(argv=None) -> dict:
             with optimizer.skip_synchronize():
                 optimizer.step()
             meter.step()
-            loss_sum += loss.item()
-            board.train_step(loss.item())
+            loss_sum += loss.detach()
+            board.train_step(loss)
             if hasattr(bar, "set_postfix"):
                 bar.set_postfix(loss=f"{loss.item():.3f}")
             if step == steps_per_epoch:
@@ -505,7 +516,8 @@ def main(argv=None) -> dict:
             )
         )
         if args.checkpoint:
-            extra = common.lm_checkpoint_extra(settings, recorder, meter, best_valid=best_valid,
+            extra = common.lm_checkpoint_extra(settings, recorder, meter, device,
+                                               best_valid=best_valid,
                                                lr_drop_after=list(args.lr_drop_after))  # fmt: skip
             save(args.checkpoint, model, optimizer, extra)
         common.log_lm_epoch(recorder.record["epochs"][-1])

@@ -162,14 +162,14 @@ def window(streams: torch.Tensor, start: int, block: int):
 
 
 def evaluate(model, streams, block: int) -> float:
-    """Perplexity over every worker's streams of one split."""
+    """Perplexity over every worker's streams of one split (on the training device)."""
     model.eval()
-    loss_sum, count = 0.0, 0
+    loss_sum, count = common.zero(streams.device), 0
     with torch.no_grad():
         for start in windows(streams, block):
             x, y = window(streams, start, block)
             logits = model(x)
-            loss_sum += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
+            loss_sum += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
             count += y.numel()
     # Horovod: sum every worker's loss and token count, for the whole split.
     loss_sum, count = common.sum_across_ranks(loss_sum, count, name="eval")
@@ -222,7 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Flags that may change when a run resumes; every other flag must match the checkpoint's.
-RESUMABLE = {"epochs", "json", "checkpoint", "no_progress", "tensorboard", "powersgd_log_every"}
+# --no-cuda too: a run may go on on other hardware.
+RESUMABLE = {"epochs", "json", "checkpoint", "no_progress", "tensorboard", "powersgd_log_every",
+             "no_cuda"}  # fmt: skip
 
 
 def main(argv=None) -> dict:
@@ -235,21 +237,23 @@ def main(argv=None) -> dict:
         parser.error("--warmup-steps must be >= 1 and --decay-epochs >= 0")
     decay_epochs = args.decay_epochs or args.epochs
     hvd.init()  # Horovod: initialise (a no-op when already done).
+    device = common.training_device(args)  # Horovod: the GPU of this local rank, if any.
     common.seed_everything(args.seed)
-    recorder = common.Recorder("transformer_lm", args, argv)
+    recorder = common.Recorder("transformer_lm", args, argv, device)
 
     corpus = lstm.Corpus(lstm.load_paragraphs(args.docs_dir, args.text_file), args.vocab_size)
-    # Horovod: each worker takes its own block of token streams (shard_streams).
-    train = lstm.shard_streams(corpus.ids["train"], args.batch_size, args.train_subset)
-    valid = lstm.shard_streams(corpus.ids["valid"], args.batch_size, args.eval_subset)
-    test = lstm.shard_streams(corpus.ids["test"], args.batch_size, args.eval_subset)
+    # Horovod: each worker takes its own block of token streams (shard_streams), once
+    # onto its device; every window is a slice of them there.
+    train = lstm.shard_streams(corpus.ids["train"], args.batch_size, args.train_subset).to(device)
+    valid = lstm.shard_streams(corpus.ids["valid"], args.batch_size, args.eval_subset).to(device)
+    test = lstm.shard_streams(corpus.ids["test"], args.batch_size, args.eval_subset).to(device)
     starts = windows(train, args.block)
     steps_per_epoch = min(len(starts), args.max_steps) if args.max_steps else len(starts)
     decay_steps = decay_epochs * steps_per_epoch
 
     model = TransformerLM(
         len(corpus.words), args.size, args.layers, args.heads, args.block, args.dropout
-    )
+    ).to(device)
     optimizer = torch.optim.AdamW(
         parameter_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95)
     )
@@ -268,27 +272,29 @@ def main(argv=None) -> dict:
     # that step moves its weights; broadcasting the weights afterwards undoes it.
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    meter = common.CommunicationMeter(optimizer, model)
+    meter = common.CommunicationMeter(optimizer, model, common.wire_compression(args))
     board = common.TensorBoardLog(args.tensorboard, meter)  # rank 0 only
     method = f"PowerSGD rank {args.powersgd_rank}" if args.powersgd_rank else "plain all-reduce"
     common.log(
         f"Transformer LM: {len(corpus.ids['train']):,} train / {len(corpus.ids['valid']):,} "
         f"valid / {len(corpus.ids['test']):,} test tokens, vocabulary {len(corpus.words):,}, "
         f"{sum(p.numel() for p in model.parameters()):,} parameters, {common.workers()}, "
-        f"{method}, {steps_per_epoch} steps an epoch"
+        f"{method}, {steps_per_epoch} steps an epoch, rank 0 on {device}"
     )
 
     valid_ppl = test_ppl = float("nan")
     first_epoch = 1
     if saved:  # go on where the checkpoint's run stopped, as if it never had
-        first_epoch, valid_ppl, test_ppl = common.lm_resume(saved, recorder, meter, args.checkpoint)
+        first_epoch, valid_ppl, test_ppl = common.lm_resume(
+            saved, recorder, meter, args.checkpoint, device
+        )
     for epoch in range(first_epoch, args.epochs + 1):
         model.train()
         start, before = time.perf_counter(), meter.totals()
         # The same window order on every rank (each rank reads its own streams).
         order = torch.randperm(len(starts), generator=torch.Generator().manual_seed(
             args.seed * 1000 + epoch))[:steps_per_epoch].tolist()  # fmt: skip
-        loss_sum = 0.0
+        loss_sum = common.zero(device)  # summed on the device: no wait per step
         bar = common.progress(order, steps_per_epoch, args, f"epoch {epoch}")
         for step, index in enumerate(bar):
             lr = learning_rate(
@@ -310,8 +316,8 @@ def main(argv=None) -> dict:
             with optimizer.skip_synchronize():
                 optimizer.step()
             meter.step()
-            board.train_step(loss.item())
-            loss_sum += loss.item()
+            board.train_step(loss)
+            loss_sum += loss.detach()
             if hasattr(bar, "set_postfix"):
                 bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.2e}")
         train_time = common.close(bar, start)
@@ -329,7 +335,7 @@ def main(argv=None) -> dict:
         board.scalar("valid/perplexity", valid_ppl)
         board.scalar("test/perplexity", test_ppl)
         if args.checkpoint:
-            extra = common.lm_checkpoint_extra(settings, recorder, meter)
+            extra = common.lm_checkpoint_extra(settings, recorder, meter, device)
             lstm.save(args.checkpoint, model, optimizer, extra)
         common.log_lm_epoch(recorder.record["epochs"][-1], f", lr {lr:.2e}")
 

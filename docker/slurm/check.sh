@@ -17,7 +17,9 @@
 #      below, and `scontrol show job` must say COMPLETED, exit code 0:0;
 #   5. kills rank 1 (SIGKILL) of a longer job, for both scripts: the job must
 #      end FAILED with a non-zero exit code within 60 s;
-#   6. stops everything it started, by PID, also when a step fails (trap).
+#   6. stops everything it started, by PID, also when a step fails (trap), and
+#      returns only once all of it has ended: SIGTERM, then SIGKILL to what is
+#      left; it fails, naming them, if any still runs STOP_WITHIN_S after that.
 #
 # Variables (defaults in brackets):
 #   HPS_VENV [.venv]   the environment the jobs use (`make setup` makes it)
@@ -71,22 +73,66 @@ done
 work=$(mktemp -d /var/tmp/hps-slurm.XXXXXX)
 chmod 755 "$work"  # munged insists that everyone may reach its socket's folder
 pids=()
+alive() { # alive PID: still running (a zombie has ended; it only waits to be reaped)
+  local state
+  state=$(ps -o stat= -p "$1" 2>/dev/null) || return 1
+  [[ $state != Z* ]]
+}
+daemon() { # daemon PID: PID still is a daemon this script started (its child), and runs
+  [[ $(ps -o ppid= -p "$1" 2>/dev/null | tr -d ' ') == "$$" ]] && alive "$1"
+}
+ours_running() { # the PIDs of ours that still run: the daemons, and all in the nodes' namespaces
+  local pid ns
+  for pid in "${pids[@]}"; do if daemon "$pid"; then echo "$pid"; fi; done
+  for ns in "${NS}1" "${NS}2"; do
+    for pid in $(ip netns pids "$ns" 2>/dev/null); do if alive "$pid"; then echo "$pid"; fi; done
+  done
+}
+stop_within() { # stop_within SECONDS SIGNAL: send SIGNAL to ours that run, wait until none does
+  local seconds=$1 signal=$2
+  local -a left
+  mapfile -t left < <(ours_running | sort -u)
+  ((${#left[@]})) || return 0
+  kill "-$signal" "${left[@]}" 2>/dev/null
+  for _ in $(seq $((seconds * 5))); do
+    [[ -n "$(ours_running)" ]] || return 0
+    sleep 0.2
+  done
+  return 1
+}
+# A check that returns while its daemons still exit leaves them to the next command:
+# a new slurm-check would meet their namespaces, `make test` their load.
+STOP_WITHIN_S=30
 cleanup() {
-  local rc=$? pid ns
+  local rc=$? pid
+  local -a left
   set +e
   # Daemons in reverse order of start, each by the PID recorded at its start.
-  for ((i = ${#pids[@]} - 1; i >= 0; i--)); do kill "${pids[i]}" 2>/dev/null; done
-  for pid in "${pids[@]}"; do
-    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-    kill -KILL "$pid" 2>/dev/null
+  for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
+    if daemon "${pids[i]}"; then kill "${pids[i]}"; fi
   done
-  # What is left in the nodes' namespaces was started by our daemons (job steps).
+  for pid in "${pids[@]}"; do
+    for _ in $(seq 50); do daemon "$pid" || break; sleep 0.2; done
+  done
+  # Whatever still runs, daemons or what they started in the nodes' namespaces (job
+  # steps), gets SIGTERM, then SIGKILL; then the wait until every one has ended,
+  # before the namespaces go (afterwards nothing would find what is left in them).
+  stop_within 5 TERM || stop_within "$STOP_WITHIN_S" KILL
+  mapfile -t left < <(ours_running | sort -u)
+  if ((${#left[@]})); then
+    log "FAIL: ${#left[@]} processes it started still run $STOP_WITHIN_S s after SIGKILL:"
+    ps -o pid,stat,etime,args -p "$(IFS=,; echo "${left[*]}")" >&2
+    rc=1
+  else
+    for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null; done  # reap our own children
+  fi
   netns_pair_down hps-slurm KILL
   if [[ "${KEEP:-0}" == 1 || $rc != 0 ]]; then
     log "logs and job output kept in $work"
   else
     rm -rf "$work"
   fi
+  exit "$rc"
 }
 trap cleanup EXIT
 mkdir -p "$work"/{etc,log,run,state,spool/node1,spool/node2,out,munge,ssh,bin}
@@ -95,22 +141,39 @@ mkdir -p "$work"/{etc,log,run,state,spool/node1,spool/node2,out,munge,ssh,bin}
 netns_pair_up hps-slurm 10.78.0
 printf '127.0.0.1 localhost\n10.78.0.1 node1\n10.78.0.2 node2\n' >"$work/etc/hosts"
 
-node() { # node N COMMAND...: run COMMAND on node N (network, hostname, /etc/hosts, /tmp)
-  local i=$1
-  shift
+node_command() { # node_command ARRAY N COMMAND...: ARRAY := the command line of COMMAND on node N
+  local -n into=$1
+  local i=$2
+  shift 2
   # unshare: private mounts and hostname. nsenter, not `ip netns exec`: that one
   # mounts a fresh /sys, without the cgroup file system slurmd insists on.
   # A checkout under /tmp (a fresh clone in /tmp, say) would vanish under the
   # node's own /tmp: it is bound back to its path there, as a shared file
-  # system would show it. Every step execs, so $! is COMMAND's PID.
+  # system would show it. unshare, bash -c and nsenter each exec the next.
   mkdir -p "$work/checkout-node$i"
-  unshare --mount --uts -- bash -c \
+  into=(unshare --mount --uts -- bash -c
     'mount --bind "$0" /etc/hosts &&
      if [[ $4 == /tmp/* ]]; then mount --bind "$4" "$5"; fi &&
      mount -t tmpfs -o size=2g tmpfs /tmp &&
      if [[ $4 == /tmp/* ]]; then mkdir -p "$4" && mount --bind "$5" "$4"; fi &&
-     hostname "$1" && exec nsenter --net="$2" "${@:6}"' \
-    "$work/etc/hosts" "node$i" "/run/netns/$NS$i" _ "$ROOT" "$work/checkout-node$i" "$@"
+     hostname "$1" && exec nsenter --net="$2" "${@:6}"'
+    "$work/etc/hosts" "node$i" "/run/netns/$NS$i" _ "$ROOT" "$work/checkout-node$i" "$@")
+}
+node() { # node N COMMAND...: run COMMAND on node N (network, hostname, /etc/hosts, /tmp)
+  local -a cmdline
+  node_command cmdline "$@"
+  "${cmdline[@]}"
+}
+start_on_node() { # start_on_node N LOG COMMAND...: COMMAND on node N in the background
+  local i=$1 log=$2
+  shift 2
+  local -a cmdline
+  node_command cmdline "$i" "$@"
+  # A plain command, not `node ... &`: a function in the background runs in a subshell of
+  # its own, and $! would be that shell's PID; a TERM to it would leave COMMAND running.
+  # Here the forked shell execs unshare, so $! is COMMAND's PID, stopped and waited for.
+  "${cmdline[@]}" >>"$log" 2>&1 &
+  pids+=($!)
 }
 wait_for() { # wait_for SECONDS DESCRIPTION COMMAND...
   local seconds=$1 what=$2
@@ -161,8 +224,7 @@ printf '#!/bin/sh\nexec /usr/bin/ssh -F %s "$@"\n' "$work/ssh/config" >"$work/bi
 chmod 755 "$work/bin/ssh"
 mkdir -p /run/sshd  # sshd's privilege-separation directory
 for i in 1 2; do
-  node "$i" /usr/sbin/sshd -D -e -f "$work/ssh/sshd_config" >>"$work/log/sshd-node$i.log" 2>&1 &
-  pids+=($!)
+  start_on_node "$i" "$work/log/sshd-node$i.log" /usr/sbin/sshd -D -e -f "$work/ssh/sshd_config"
 done
 
 # Slurm: no accounting daemon, so jobs are read back with `scontrol show job`,
@@ -203,12 +265,10 @@ EOF
 # slurmd needs a cgroup file system even with linuxproc; under cgroup v2 without
 # systemd (containers) it makes its own scope instead of asking systemd for one.
 printf 'CgroupPlugin=autodetect\nIgnoreSystemd=yes\n' >"$work/etc/cgroup.conf"
-node 1 slurmctld -D -f "$SLURM_CONF" >>"$work/log/slurmctld.out" 2>&1 &
-pids+=($!)
+start_on_node 1 "$work/log/slurmctld.out" slurmctld -D -f "$SLURM_CONF"
 wait_for 30 slurmctld node 1 scontrol ping
 for i in 1 2; do
-  node "$i" slurmd -D -f "$SLURM_CONF" -N "node$i" >>"$work/log/slurmd-node$i.out" 2>&1 &
-  pids+=($!)
+  start_on_node "$i" "$work/log/slurmd-node$i.out" slurmd -D -f "$SLURM_CONF" -N "node$i"
 done
 idle_nodes() { [[ $(node 1 sinfo -h -N -t idle -o %N | sort -u | wc -l) == 2 ]]; }
 wait_for 60 "slurmd on both nodes" idle_nodes

@@ -1,4 +1,6 @@
-"""Each example trains two tiny steps end to end on every rank, so they cannot rot.
+"""Each example trains a few tiny steps end to end on every rank, so they cannot rot:
+at PowerSGD ranks 1, 2 and 4, both schedules, float32 and float16 on the wire, and
+on the device a GPU machine would give it.
 
 The examples' ``main(argv)`` runs in this process (hvd.init() already happened in
 conftest); no launcher is started from inside the test.
@@ -8,6 +10,7 @@ import json
 import math
 import os
 import pathlib
+import struct
 import sys
 
 import horovod.torch as hvd
@@ -127,7 +130,8 @@ def test_lstm_checkpoint_goes_on_as_if_never_stopped(shared_dir, corpus, powersg
     lstm_language_model.main(first)
     json_path = os.path.join(shared_dir, "lm.json")
     argv = tiny_lm_argv(corpus, powersgd_rank, "--checkpoint", ckpt, "--epochs", "3")
-    resumed = lstm_language_model.main([*argv, "--json", json_path])
+    # --no-cuda may change on resume: a run saved on GPUs goes on on CPUs.
+    resumed = lstm_language_model.main([*argv, "--json", json_path, "--no-cuda"])
 
     assert_resumed_like_straight(resumed, straight)
     for key in ("test_perplexity", "bytes_sent", "ratio"):
@@ -210,7 +214,7 @@ def test_transformer_checkpoint_goes_on_as_if_never_stopped(shared_dir, corpus, 
     first = tiny_transformer_argv(corpus, powersgd_rank, "--checkpoint", ckpt, "--epochs", "1")
     transformer_lm.main([*first, *cosine])
     argv = tiny_transformer_argv(corpus, powersgd_rank, "--checkpoint", ckpt, "--epochs", "3")
-    resumed = transformer_lm.main([*argv, *cosine])
+    resumed = transformer_lm.main([*argv, *cosine, "--no-cuda"])  # other hardware, as above
 
     assert_resumed_like_straight(resumed, straight)
     # --start-iter defaults to the warm-up: 2 plain steps, then compressed.
@@ -226,3 +230,125 @@ def test_transformer_checkpoint_goes_on_as_if_never_stopped(shared_dir, corpus, 
         transformer_lm.main(
             tiny_transformer_argv(corpus, powersgd_rank, "--checkpoint", ckpt, "--epochs", "4")
         )
+
+
+# --- every example at PowerSGD ranks 1, 2 and 4, both schedules, float32 and float16 -----------
+# Rank 1 crashed the first step of every example (issue 36) while nothing here ran it.
+# Tiny inputs: 3 steps of each run take well under a second.
+def write_idx(path, tensor):
+    """A uint8 tensor as an (uncompressed) IDX file, as the data set ships them."""
+    header = bytes([0, 0, 0x08, tensor.dim()]) + struct.pack(f">{tensor.dim()}I", *tensor.shape)
+    path.write_bytes(header + tensor.contiguous().numpy().tobytes())
+
+
+@pytest.fixture(scope="module")
+def tiny_inputs(tmp_path_factory):
+    """Each rank's own copy: the data set's first 96 + 32 images, and a small text."""
+    if not os.path.isdir(fashion_mnist.DEFAULT_DATA_DIR):
+        pytest.fail("Debian's dataset-fashion-mnist is missing: run scripts/bootstrap.sh")
+    folder = tmp_path_factory.mktemp("tiny-inputs")
+    for split, count in (("train", 96), ("t10k", 32)):
+        for kind in ("images-idx3", "labels-idx1"):
+            name = f"{split}-{kind}-ubyte"
+            data = fashion_mnist.read_idx(fashion_mnist._find(fashion_mnist.DEFAULT_DATA_DIR, name))
+            write_idx(folder / name, data[:count])
+    text = folder / "corpus.txt"
+    text.write_text("\n\n".join(f"a {i % 7} fox jumps over the {i % 5} dog ." for i in range(2000)))
+    return folder
+
+
+STEPS = ["--epochs", "1", "--max-steps", "3", "--no-progress", "--seed", "3"]
+
+
+def tiny_run(example, inputs, *more):
+    """`example`'s record after 3 steps on 2 x 16 images, or 2 x 4 token streams."""
+    text = ["--text-file", str(inputs / "corpus.txt"), "--batch-size", "4", "--size", "16",
+            "--vocab-size", "50"]  # fmt: skip
+    argv = {
+        "fashion_mnist": ["--data-dir", str(inputs), "--batch-size", "16"],
+        "lstm_language_model": [*text, "--bptt", "8"],
+        # Compressed from the first step: --start-iter follows the warm-up otherwise.
+        "transformer_lm": [*text, "--block", "8", "--layers", "1", "--heads", "2",
+                           "--warmup-steps", "2", "--start-iter", "0"],
+    }[example]  # fmt: skip
+    main = {"fashion_mnist": fashion_mnist.main, "lstm_language_model": lstm_language_model.main,
+            "transformer_lm": transformer_lm.main}[example]  # fmt: skip
+    return main([*STEPS, *argv, *more])
+
+
+def check_trained(record):
+    """3 steps, finite metrics, the same parameters everywhere, and the run was on the CPU here."""
+    (epoch,) = record["epochs"]
+    assert epoch["steps"] == 3
+    metrics = ("train_loss", "test_loss") if "test_loss" in epoch else (
+        "train_loss", "valid_perplexity", "test_perplexity")  # fmt: skip
+    for key in metrics:
+        assert math.isfinite(epoch[key]), (key, epoch[key])
+    assert record["device"] == "cpu"  # this machine has no GPU
+    assert_same_parameters_on_every_rank(record["model"])
+
+
+def parameters_differ(a, b) -> bool:
+    return any(not torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+EXAMPLES = ["fashion_mnist", "lstm_language_model", "transformer_lm"]
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+@pytest.mark.parametrize("powersgd_rank", [1, 2, 4])
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_every_example_trains_at_ranks_1_2_4_in_both_schedules_and_fp16(
+    tiny_inputs, example, powersgd_rank, rounds
+):
+    powersgd = ["--powersgd-rank", str(powersgd_rank), "--rounds", str(rounds)]
+    fp32 = tiny_run(example, tiny_inputs, *powersgd)
+    fp16 = tiny_run(example, tiny_inputs, *powersgd, "--fp16-allreduce")
+    for record in (fp32, fp16):
+        check_trained(record)
+        assert record["final"]["bytes_sent"] > 0 and record["final"]["ratio"] > 1
+    # float16 on the wire: the same elements (P, Q and the uncompressed rest) at half the bytes.
+    assert fp16["final"]["ratio"] == fp32["final"]["ratio"]
+    assert 2 * fp16["final"]["bytes_sent"] == fp32["final"]["bytes_sent"]
+    assert parameters_differ(fp16["model"], fp32["model"]), "--fp16-allreduce changed nothing"
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_plain_horovod_baseline_sends_fp16_with_the_flag(tiny_inputs, example):
+    fp32 = tiny_run(example, tiny_inputs, "--powersgd-rank", "0")
+    fp16 = tiny_run(example, tiny_inputs, "--powersgd-rank", "0", "--fp16-allreduce")
+    for record in (fp32, fp16):
+        check_trained(record)
+        assert record["final"]["ratio"] == 1
+    assert 2 * fp16["final"]["bytes_sent"] == fp32["final"]["bytes_sent"]
+    # The averaged gradients were rounded to float16: hvd.DistributedOptimizer got the flag.
+    assert parameters_differ(fp16["model"], fp32["model"]), "--fp16-allreduce changed nothing"
+
+
+def pretend_gpus(monkeypatch, count):
+    """torch says `count` GPUs are there; returns the list set_device's calls go to."""
+    pinned = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "set_device", pinned.append)
+    return pinned
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_examples_train_on_the_gpu_of_their_local_rank_when_there_is_one(
+    monkeypatch, tiny_inputs, example
+):
+    # One GPU per process on this node, as horovodrun and mpirun show them.
+    pinned = pretend_gpus(monkeypatch, hvd.local_size())
+    # This torch has no CUDA: the first tensor an example puts on the GPU says so,
+    # before any collective, so every rank stops here alike.
+    with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
+        tiny_run(example, tiny_inputs, "--powersgd-rank", "2")
+    assert pinned == [hvd.local_rank()]
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_no_cuda_keeps_the_cpu_where_there_is_a_gpu(monkeypatch, tiny_inputs, example):
+    pinned = pretend_gpus(monkeypatch, hvd.local_size())
+    check_trained(tiny_run(example, tiny_inputs, "--powersgd-rank", "2", "--no-cuda"))
+    assert pinned == []

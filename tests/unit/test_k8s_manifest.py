@@ -204,6 +204,9 @@ def test_the_training_command_exists_in_the_image_and_parses(kind, monkeypatch):
     args = fashion_mnist.build_parser().parse_args(script_args)
     # The data set the images install from the distribution's package.
     assert args.data_dir == fashion_mnist.DEFAULT_DATA_DIR
+    if kind == "gpu":
+        # The ranks train on their GPUs (the example's default where CUDA is there).
+        assert not args.no_cuda
     package_lists = DOCKERFILES[kind].read_text() + (ROOT / "scripts/bootstrap.sh").read_text()
     assert "dataset-fashion-mnist" in package_lists
 
