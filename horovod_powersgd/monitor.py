@@ -30,7 +30,8 @@ is no alarm: it stays flat before that NaN and rises in healthy runs. The rule
 grew `ERROR_GROWTH`-fold, with gradients `GRADIENT_GROWTH`-fold. Checks of the
 first `SETTLE_STEPS` steps of training do not count (gradients grow several-fold
 while a network leaves its initialisation), nor a check with fewer than
-`CHECK_EVERY` compressed steps in its averages.
+`CHECK_EVERY` compressed steps in its averages (`detect`); `replay` re-judges
+a recorded run offline (scripts/warning_rules.py).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -63,6 +64,49 @@ SETTLE_STEPS = 50
 
 class ErrorGrowthWarning(UserWarning):
     """PowerSGD's error buffers grow steadily relative to the gradients: divergence ahead."""
+
+
+def detect(
+    history: list[tuple[float, float]], step: int, start_iter: int, norms: tuple[float, float]
+) -> tuple[list[tuple[float, float]], bool]:
+    """One check of the detector: its history after this check, and whether to warn.
+
+    Args:
+        history: the model's (error norm, gradient norm) at the last checks that counted.
+        step: the check's step (steps completed so far).
+        start_iter: the plain warm-up steps (a check needs `CHECK_EVERY` compressed steps).
+        norms: the model's (error norm, gradient norm) at this check.
+
+    A check of the first `SETTLE_STEPS` steps, or with fewer than `CHECK_EVERY`
+    compressed steps in its averages, leaves the history as it is and never warns.
+    """
+    if step < SETTLE_STEPS or step - start_iter < CHECK_EVERY:
+        return history, False
+    if all(math.isfinite(v) and v > 0 for v in norms):
+        history = [*history, tuple(norms)][-(WINDOW + 1) :]
+    return history, growing(history)
+
+
+def replay(checks: Iterable[tuple[int, float | None, float | None]], start_iter: int) -> int | None:
+    """The step at which a run's monitor warns, from the model's norms at every check.
+
+    Args:
+        checks: (step, error norm, gradient norm) at consecutive checks, as
+            `compression_stats(per_layer=True)` returns them (None: not finite).
+        start_iter: the run's plain warm-up steps.
+
+    Returns:
+        The first check's step at which `detect` fires, or None. The detector
+        decides from these numbers alone, so a recorded run can be re-judged
+        offline (scripts/warning_rules.py, the unit tests).
+    """
+    history: list[tuple[float, float]] = []
+    for step, error, grad in checks:
+        norms = (math.nan if error is None else error, math.nan if grad is None else grad)
+        history, alarm = detect(history, step, start_iter, norms)
+        if alarm:
+            return step
+    return None
 
 
 def growing(history: list[tuple[float, float]]) -> bool:
@@ -244,13 +288,11 @@ class LayerMonitor:
         )
         flat = mean[3 * count :]
         pairs = zip(flat[0::2], flat[1::2])
-        self._history = [(e, g) for e, g in pairs if math.isfinite(e) and math.isfinite(g)]
-        settled = step >= SETTLE_STEPS and step - self.start_iter >= CHECK_EVERY
-        if settled and min(self._model) > 0:
-            self._history = [*self._history, self._model][-(WINDOW + 1) :]
+        history = [(e, g) for e, g in pairs if math.isfinite(e) and math.isfinite(g)]
+        self._history, alarm = detect(history, step, self.start_iter, self._model)
         self.checked_step = step
         self.warned = summed[-1] > 0
-        if not self.warned and settled and growing(self._history):
+        if not self.warned and alarm:
             self.warned = True
             warnings.warn(self._warning_text(step), ErrorGrowthWarning, stacklevel=5)
 

@@ -1,6 +1,7 @@
 """The statistics and the alarm rule of monitor.py, in one process (no Horovod)."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -92,3 +93,24 @@ def test_alarm_rule(errors, grads, fires):
 
 def test_warning_class_is_a_user_warning():
     assert issubclass(ErrorGrowthWarning, UserWarning)
+
+
+def test_replay_of_the_recorded_norms_warns_where_the_monitor_did():
+    # The offline replay is the monitor's own decision: drive a monitor whose
+    # gradients grow 1.3-fold a step from step 120, record the norms it agreed
+    # on at every check, and replay them.
+    compressor, mon, _ = make([(40, 30)], rank=2)
+    generator = torch.Generator().manual_seed(0)
+    checks, warned = [], None
+    for step in range(1, 201):
+        scale = 1.3 ** max(0, step - 120)
+        grads = {"w0": scale * torch.randn(40, 30, generator=generator)}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            drive(compressor, mon, grads, step)
+        if any(issubclass(w.category, ErrorGrowthWarning) for w in caught) and warned is None:
+            warned = step
+        if step % monitor.CHECK_EVERY == 0:
+            checks.append((step, *mon.model_norms()))
+    assert warned is not None and warned > 120
+    assert monitor.replay(checks, start_iter=0) == warned
