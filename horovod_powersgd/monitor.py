@@ -31,13 +31,16 @@ grew `ERROR_GROWTH`-fold, with gradients `GRADIENT_GROWTH`-fold. Checks of the
 first `SETTLE_STEPS` steps of training do not count (gradients grow several-fold
 while a network leaves its initialisation), nor a check with fewer than
 `CHECK_EVERY` compressed steps in its averages (`detect`); `replay` re-judges
-a recorded run offline (scripts/warning_rules.py).
+a recorded run offline (scripts/warning_rules.py). The warning names the user's
+line (`warn_at_user_line`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import sys
 import warnings
 from collections.abc import Callable, Iterable
 
@@ -60,6 +63,32 @@ ERROR_GROWTH = 1.5
 GRADIENT_GROWTH = 1.3
 # Checks before this step of training are left out of the detector's history.
 SETTLE_STEPS = 50
+
+
+# Frames whose file lies here are the library's or torch's (torch wraps every
+# optimizer's step(), GradScaler.step calls it): a warning skips them all.
+_NOT_THE_USER = tuple(
+    os.path.dirname(os.path.abspath(path)) + os.sep for path in (__file__, torch.__file__)
+)
+
+
+def warn_at_user_line(message: str, category: type[Warning]) -> None:
+    """Warn with the location of the first caller outside this package and torch.
+
+    The user's `opt.step()`, `opt.synchronize()` or `scaler.step(opt)` line is
+    what the user can change; a fixed stacklevel would name torch's step
+    wrapper or GradScaler instead, and another frame whenever either changes.
+    """
+    if sys.version_info >= (3, 12):
+        warnings.warn(message, category, skip_file_prefixes=_NOT_THE_USER)
+        return
+    # Before Python 3.12 warnings.warn cannot skip by file: count the frames
+    # to the first one outside, as skip_file_prefixes does. Frame 0 is this
+    # function (stacklevel 1); frame k is stacklevel k + 1.
+    frame, depth = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_NOT_THE_USER):
+        frame, depth = frame.f_back, depth + 1
+    warnings.warn(message, category, stacklevel=depth + 1)
 
 
 class ErrorGrowthWarning(UserWarning):
@@ -294,7 +323,7 @@ class LayerMonitor:
         self.warned = summed[-1] > 0
         if not self.warned and alarm:
             self.warned = True
-            warnings.warn(self._warning_text(step), ErrorGrowthWarning, stacklevel=5)
+            warn_at_user_line(self._warning_text(step), ErrorGrowthWarning)
 
     def _padded_history(self) -> list[float]:
         """The history as a fixed-length list (NaN in front), so every rank sends as many."""
