@@ -20,25 +20,29 @@ averages there. The host reads them only when asked (`layers()`), and every
                               # all-reduce, the detector, the warning, the log line
 
 The early warning watches the whole model's error norm and gradient norm
-(sums over the layers of the ranks' means). Measured on the Fashion-MNIST CNN
-(docs/results/per_layer_error.md): in the 20 steps before rounds=1 at lr 0.1
-turned NaN, both grew together (errors 1.8-4x, gradients 1.5-5x, seeds 42-44),
-while in healthy runs the errors grow alone as their buffers fill (up to 1.6x
-in 20 steps) and the gradients stay flat or shrink. So the error/gradient ratio
-is no alarm: it stays flat before that NaN and rises in healthy runs. The rule
-(`growing`) asks for errors that rose at each of the last `WINDOW` checks and
-grew `ERROR_GROWTH`-fold, with gradients `GRADIENT_GROWTH`-fold. Checks of the
-first `SETTLE_STEPS` steps of training do not count (gradients grow several-fold
-while a network leaves its initialisation), nor a check with fewer than
-`CHECK_EVERY` compressed steps in its averages.
+(sums over the layers of the ranks' means). Before a divergence both grow
+together, and fast: in every recorded run that diverged after step 100, the
+gradients grew 1.7-fold or more within 20 steps while a warning was still in
+time. Healthy training grows them too, but more slowly once a network has
+left its initialisation, where both grow several-fold in a few dozen steps.
+The rule (`growing`) asks for errors that rose at each of the last `WINDOW`
+checks and grew `ERROR_GROWTH`-fold, with gradients `GRADIENT_GROWTH`-fold;
+checks of the first `SETTLE_STEPS` steps of training do not count, nor a check
+with fewer than `CHECK_EVERY` compressed steps in its averages (`detect`). The
+runs that set these numbers are recorded in docs/results/early_warning/;
+`replay` re-judges them offline (scripts/warning_rules.py,
+docs/results/early_warning.md). The warning names the user's line
+(`warn_at_user_line`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -54,11 +58,42 @@ CHECK_EVERY = 10
 EMA_DECAY = 0.9
 # The detector: over the last WINDOW checks the model's error norm rose at each
 # check and grew ERROR_GROWTH-fold, and its gradient norm GRADIENT_GROWTH-fold.
+# 1.7x sits between the most that healthy runs' gradients grew after SETTLE_STEPS
+# and the least that diverging runs' grew in time for a warning, about as far
+# from either in ratio (docs/results/early_warning.md).
 WINDOW = 2
 ERROR_GROWTH = 1.5
-GRADIENT_GROWTH = 1.3
-# Checks before this step of training are left out of the detector's history.
-SETTLE_STEPS = 50
+GRADIENT_GROWTH = 1.7
+# Checks before this step of training are left out of the detector's history:
+# leaving its initialisation, a healthy network's gradients grow as fast as a
+# diverging one's (up to 8x in 20 steps in the first 50).
+SETTLE_STEPS = 100
+
+
+# Frames whose file lies here are the library's or torch's (torch wraps every
+# optimizer's step(), GradScaler.step calls it): a warning skips them all.
+_NOT_THE_USER = tuple(
+    os.path.dirname(os.path.abspath(path)) + os.sep for path in (__file__, torch.__file__)
+)
+
+
+def warn_at_user_line(message: str, category: type[Warning]) -> None:
+    """Warn with the location of the first caller outside this package and torch.
+
+    The user's `opt.step()`, `opt.synchronize()` or `scaler.step(opt)` line is
+    what the user can change; a fixed stacklevel would name torch's step
+    wrapper or GradScaler instead, and another frame whenever either changes.
+    """
+    if sys.version_info >= (3, 12):
+        warnings.warn(message, category, skip_file_prefixes=_NOT_THE_USER)
+        return
+    # Before Python 3.12 warnings.warn cannot skip by file: count the frames
+    # to the first one outside, as skip_file_prefixes does. Frame 0 is this
+    # function (stacklevel 1); frame k is stacklevel k + 1.
+    frame, depth = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_NOT_THE_USER):
+        frame, depth = frame.f_back, depth + 1
+    warnings.warn(message, category, stacklevel=depth + 1)
 
 
 def _norm(tensor: torch.Tensor) -> torch.Tensor:
@@ -79,7 +114,50 @@ def _without_feedback(residual: torch.Tensor, sent: torch.Tensor):
 
 
 class ErrorGrowthWarning(UserWarning):
-    """PowerSGD's error buffers grow steadily relative to the gradients: divergence ahead."""
+    """PowerSGD's error buffers and the gradients grow together, fast: divergence ahead."""
+
+
+def detect(
+    history: list[tuple[float, float]], step: int, start_iter: int, norms: tuple[float, float]
+) -> tuple[list[tuple[float, float]], bool]:
+    """One check of the detector: its history after this check, and whether to warn.
+
+    Args:
+        history: the model's (error norm, gradient norm) at the last checks that counted.
+        step: the check's step (steps completed so far).
+        start_iter: the plain warm-up steps (a check needs `CHECK_EVERY` compressed steps).
+        norms: the model's (error norm, gradient norm) at this check.
+
+    A check of the first `SETTLE_STEPS` steps, or with fewer than `CHECK_EVERY`
+    compressed steps in its averages, leaves the history as it is and never warns.
+    """
+    if step < SETTLE_STEPS or step - start_iter < CHECK_EVERY:
+        return history, False
+    if all(math.isfinite(v) and v > 0 for v in norms):
+        history = [*history, tuple(norms)][-(WINDOW + 1) :]
+    return history, growing(history)
+
+
+def replay(checks: Iterable[tuple[int, float | None, float | None]], start_iter: int) -> int | None:
+    """The step at which a run's monitor warns, from the model's norms at every check.
+
+    Args:
+        checks: (step, error norm, gradient norm) at consecutive checks, as
+            `compression_stats(per_layer=True)` returns them (None: not finite).
+        start_iter: the run's plain warm-up steps.
+
+    Returns:
+        The first check's step at which `detect` fires, or None. The detector
+        decides from these numbers alone, so a recorded run can be re-judged
+        offline (scripts/warning_rules.py, the unit tests).
+    """
+    history: list[tuple[float, float]] = []
+    for step, error, grad in checks:
+        norms = (math.nan if error is None else error, math.nan if grad is None else grad)
+        history, alarm = detect(history, step, start_iter, norms)
+        if alarm:
+            return step
+    return None
 
 
 def growing(history: list[tuple[float, float]]) -> bool:
@@ -255,15 +333,13 @@ class LayerMonitor:
         )
         flat = mean[3 * count :]
         pairs = zip(flat[0::2], flat[1::2])
-        self._history = [(e, g) for e, g in pairs if math.isfinite(e) and math.isfinite(g)]
-        settled = step >= SETTLE_STEPS and step - self.start_iter >= CHECK_EVERY
-        if settled and min(self._model) > 0:
-            self._history = [*self._history, self._model][-(WINDOW + 1) :]
+        history = [(e, g) for e, g in pairs if math.isfinite(e) and math.isfinite(g)]
+        self._history, alarm = detect(history, step, self.start_iter, self._model)
         self.checked_step = step
         self.warned = summed[-1] > 0
-        if not self.warned and settled and growing(self._history):
+        if not self.warned and alarm:
             self.warned = True
-            warnings.warn(self._warning_text(step), ErrorGrowthWarning, stacklevel=5)
+            warn_at_user_line(self._warning_text(step), ErrorGrowthWarning)
 
     def _padded_history(self) -> list[float]:
         """The history as a fixed-length list (NaN in front), so every rank sends as many."""
