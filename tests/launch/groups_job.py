@@ -1,0 +1,59 @@
+"""Two trainings in one MPI job, for the launch tests (run by mpirun -np 4).
+
+mpi4py splits COMM_WORLD into two halves and each starts Horovod on its own
+(`hvd.init(comm=half)`), then trains with PowerSGD for --steps steps.
+--raise-rank R --raise-step S: world rank R raises a RuntimeError at step S, as a
+bug or a bad input in one member of an ensemble would.
+Every rank prints one JSON line when it ends: the steps it finished, or its error.
+"""
+
+import argparse
+import json
+import time
+
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+from torch import nn
+
+import horovod_powersgd as hps
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--raise-rank", type=int, default=-1)
+    parser.add_argument("--raise-step", type=int, default=-1)
+    args = parser.parse_args()
+
+    world = MPI.COMM_WORLD
+    member = world.rank * 2 // world.size
+    hvd.init(comm=world.Split(color=member, key=world.rank))
+    outcome = {"world_rank": world.rank, "member": member}
+    try:
+        torch.manual_seed(member)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt = hps.DistributedOptimizer(opt, named_parameters=model.named_parameters(), rank=2)
+        world.Barrier()  # both groups start their steps together (imports take a while here)
+        for step in range(args.steps):
+            if world.rank == args.raise_rank and step == args.raise_step:
+                raise RuntimeError(f"injected failure on world rank {world.rank} at step {step}")
+            g = torch.Generator().manual_seed(1000 * step + hvd.rank())
+            x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        outcome["finished_steps"] = args.steps
+    except Exception as e:
+        outcome["error"] = f"{type(e).__name__}: {e}"
+        raise  # the traceback, and a non-zero exit
+    finally:
+        outcome["time"] = time.time()
+        # One write, newline included: the launcher may put other ranks' output between writes.
+        print(json.dumps(outcome) + "\n", end="", flush=True)
+
+
+if __name__ == "__main__":
+    main()
