@@ -2,6 +2,8 @@
 
 mpi4py splits COMM_WORLD into two halves and each starts Horovod on its own
 (`hvd.init(comm=half)`), then trains with PowerSGD for --steps steps.
+--process-sets: one Horovod world instead, each half a process set made from its
+communicator (`hvd.init(comm=COMM_WORLD, process_sets=[hvd.ProcessSet(half)])`).
 --raise-rank R --raise-step S: world rank R raises a RuntimeError at step S, as a
 bug or a bad input in one member of an ensemble would.
 Every rank prints one JSON line when it ends: the steps it finished, or its error.
@@ -25,22 +27,31 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--raise-rank", type=int, default=-1)
     parser.add_argument("--raise-step", type=int, default=-1)
+    parser.add_argument("--process-sets", action="store_true")
     args = parser.parse_args()
 
     world = MPI.COMM_WORLD
     member = world.rank * 2 // world.size
-    hvd.init(comm=world.Split(color=member, key=world.rank))
+    half = world.Split(color=member, key=world.rank)
+    process_set = hvd.global_process_set
+    if args.process_sets:
+        process_set = hvd.ProcessSet(half)
+        hvd.init(comm=world, process_sets=[process_set])
+    else:
+        hvd.init(comm=half)
     outcome = {"world_rank": world.rank, "member": member}
     try:
         torch.manual_seed(member)
         model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        opt = hps.DistributedOptimizer(opt, named_parameters=model.named_parameters(), rank=2)
+        opt = hps.DistributedOptimizer(
+            opt, named_parameters=model.named_parameters(), rank=2, process_set=process_set
+        )
         world.Barrier()  # both groups start their steps together (imports take a while here)
         for step in range(args.steps):
             if world.rank == args.raise_rank and step == args.raise_step:
                 raise RuntimeError(f"injected failure on world rank {world.rank} at step {step}")
-            g = torch.Generator().manual_seed(1000 * step + hvd.rank())
+            g = torch.Generator().manual_seed(1000 * step + half.rank)
             x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()

@@ -47,6 +47,22 @@ def test_a_rank_that_raises_ends_its_group_with_the_error_and_the_other_group_fi
 
 
 @pytest.mark.timeout(200)
+def test_with_process_sets_a_rank_that_raises_ends_every_sets_training_with_an_error(python):
+    # Process sets share one Horovod world: its shutdown, at the raising rank's exit,
+    # ends the other set's training too (an error, not a hang). A handle whose set went
+    # with the shutdown says so in other words (seen when a set finishes early).
+    args = (JOB, "--process-sets", "--steps", "200", "--raise-rank", "1", "--raise-step", "3")
+    rc, out, _ = launch(mpirun(python, *args), timeout=180)
+    ended = outcomes(out)
+    assert sorted(ended) == [0, 1, 2, 3], out[-3000:]
+    assert ended[1]["error"] == "RuntimeError: injected failure on world rank 1 at step 3"
+    for rank in (0, 2, 3):
+        error = ended[rank]["error"]
+        assert "Horovod has been shut down" in error or "not been registered" in error, error
+    assert rc != 0
+
+
+@pytest.mark.timeout(200)
 def test_under_python_m_mpi4py_a_rank_that_raises_aborts_the_whole_job(python):
     # mpi4py's runner calls MPI_Abort on an uncaught exception: every process ends at
     # once, the other group too, where a plain run would let it finish. Its 100,000
