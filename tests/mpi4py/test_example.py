@@ -30,7 +30,8 @@ def run(*args):
 
 def test_members_train_apart_and_the_ensemble_averages_their_probabilities(shared_dir, across):
     record = run("--members", "2", "--epochs", "2", "--checkpoint-dir", shared_dir)
-    assert (record["member"], record["seed"], record["workers"]) == (MEMBER, 42 + MEMBER, 2)
+    assert (record["member"], record["seed"]) == (MEMBER, 42 + MEMBER)
+    assert record["workers"] == MEMBERS.count(MEMBER)
     assert record["ratio"] > 5  # PowerSGD compressed the member's gradients
     model = record.pop("model")
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -62,5 +63,6 @@ def _ensemble_scored(everyone, labels):
 
 
 def test_members_must_divide_the_processes():
-    with pytest.raises(SystemExit, match=f"--members 3 must divide the {WORLD.size}"):
-        ensemble.main(["--members", "3"])
+    members = WORLD.size - 1  # divides no world size above 2
+    with pytest.raises(SystemExit, match=f"--members {members} must divide the {WORLD.size}"):
+        ensemble.main(["--members", str(members)])
