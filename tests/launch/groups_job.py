@@ -6,11 +6,14 @@ mpi4py splits COMM_WORLD into two halves and each starts Horovod on its own
 communicator (`hvd.init(comm=COMM_WORLD, process_sets=[hvd.ProcessSet(half)])`).
 --raise-rank R --raise-step S: world rank R raises a RuntimeError at step S, as a
 bug or a bad input in one member of an ensemble would.
-Every rank prints one JSON line when it ends: the steps it finished, or its error.
+Every rank writes OUTCOMES/rank<world rank>.json when it ends: the steps it finished,
+or its error. A file, not a line on stdout: once the first process exits non-zero,
+mpirun ends the others and may drop what they printed last.
 """
 
 import argparse
 import json
+import os
 import time
 
 import horovod.torch as hvd
@@ -24,6 +27,7 @@ import horovod_powersgd as hps
 
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("outcomes", help="folder for one JSON file per rank")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--raise-rank", type=int, default=-1)
     parser.add_argument("--raise-step", type=int, default=-1)
@@ -62,8 +66,8 @@ def main():
         raise  # the traceback, and a non-zero exit
     finally:
         outcome["time"] = time.time()
-        # One write, newline included: the launcher may put other ranks' output between writes.
-        print(json.dumps(outcome) + "\n", end="", flush=True)
+        with open(os.path.join(args.outcomes, f"rank{world.rank}.json"), "w") as f:
+            json.dump(outcome, f)
 
 
 if __name__ == "__main__":

@@ -4,14 +4,14 @@ optimizer as `process_set=`.
 
 Horovod takes process sets from communicators only at `hvd.init(comm=<communicator>,
 process_sets=[...])`; `hvd.add_process_set` refuses them. Horovod's broadcasts name
-their root by its global rank, and group 1 lacks global rank 0. Every rank runs every
-test (conftest.py).
+their root by its global rank, and group 1 lacks global rank 0: the drift repair and
+the checkpoint must name the set's own first member. Every rank runs every test
+(conftest.py).
 """
 
 import os
 
 import horovod.torch as hvd
-import pytest
 import torch
 from conftest import GROUP, MEMBER, WORLD
 from mpi_helpers import (
@@ -23,9 +23,6 @@ from mpi_helpers import (
 )
 
 import horovod_powersgd as hps
-
-# Horovod's broadcasts from the set's rank 0 name global rank 0, outside group 1's set.
-ISSUE_36 = pytest.mark.xfail(strict=True, reason="issue 36 item 3: set rank 0 given as root")
 
 
 def powersgd(model, process_set, **kwargs):
@@ -58,7 +55,6 @@ def test_two_trainings_on_process_sets_stay_inside_their_sets(group_process_set,
     across.check(shared_state(model, opt), same_in_group_different_across)
 
 
-@ISSUE_36
 def test_drift_is_repaired_inside_the_process_set(group_process_set, across):
     seed = 51 + 10 * MEMBER
     model, opt = start(seed, group_process_set, rank=2, drift_check_every=3)
@@ -67,7 +63,6 @@ def test_drift_is_repaired_inside_the_process_set(group_process_set, across):
     across.check(shared_state(model, opt), same_in_group_different_across)
 
 
-@ISSUE_36
 def test_a_checkpoint_per_process_set_resumes_exactly(group_process_set, shared_dir, across):
     seed = 71 + 10 * MEMBER
     path = os.path.join(shared_dir, f"member{MEMBER}.pt")
