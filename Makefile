@@ -13,20 +13,20 @@ export PYTHONUNBUFFERED := 1
 # Oversubscribing 2 cores with 2 ranks x N threads makes everything crawl.
 export OMP_NUM_THREADS ?= 1
 # Waiting ranks yield the core instead of busy-polling it (2 cores, 2+ ranks).
-MPIRUN := mpirun --allow-run-as-root --oversubscribe -np $(NP) --bind-to none --map-by slot \
+MPIRUN = mpirun --allow-run-as-root --oversubscribe -np $(NP) --bind-to none --map-by slot \
 	--mca btl self,tcp,vader --mca mpi_yield_when_idle 1 \
 	-x OMP_NUM_THREADS -x PYTHONUNBUFFERED -x PATH
 # A hung collective must fail the run, never hang CI: pytest-timeout fails a
 # test (per-test limit in pyproject.toml), this cap ends the whole launcher.
 RUN_CAP ?= timeout --signal=KILL 1200
 
-.PHONY: setup test test-unit test-parallel test-mpi test-gloo test-launch demo bench bench-overheads lint convergence docker-check long-run clean slurm-check
+.PHONY: setup test test-unit test-parallel test-mpi test-gloo test-mpi4py test-launch demo bench bench-overheads lint convergence docker-check long-run clean slurm-check
 
 setup:
 	bash scripts/bootstrap.sh
 
 test: setup
-	$(MAKE) --no-print-directory lint test-unit test-mpi test-gloo test-launch
+	$(MAKE) --no-print-directory lint test-unit test-mpi test-mpi4py test-gloo test-launch
 
 test-unit:
 	$(PY) -m pytest tests/unit
@@ -42,6 +42,14 @@ test-mpi:
 	$(RUN_CAP) $(MPIRUN) $(PY) -m pytest tests/parallel -p no:cacheprovider
 	$(RUN_CAP) $(subst -np $(NP) ,-np 3 ,$(MPIRUN)) $(PY) -m pytest tests/parallel/test_process_sets.py \
 		-p no:cacheprovider
+
+# Horovod inside an MPI program: 4 ranks split by mpi4py into two groups of two, one
+# without world rank 0 (tests/mpi4py/conftest.py; any even MPI4PY_NP >= 4 works). MPI
+# only: Gloo has no communicators (docs/mpi4py.md).
+MPI4PY_NP ?= 4
+test-mpi4py: override NP = $(MPI4PY_NP)
+test-mpi4py:
+	$(RUN_CAP) $(MPIRUN) $(PY) -m pytest tests/mpi4py -p no:cacheprovider
 
 test-gloo:
 	$(RUN_CAP) $(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo \

