@@ -30,7 +30,20 @@ def add_common_args(parser: argparse.ArgumentParser, start_iter_help: str | None
     parser.add_argument("--seed", type=int, default=42, help="model init, shuffling and Q seed")
     # 0 switches PowerSGD off, so the same script is the plain-Horovod baseline.
     parser.add_argument(
-        "--powersgd-rank", type=int, default=2, help="PowerSGD rank r; 0 = plain hvd all-reduce"
+        "--powersgd-rank",
+        type=powersgd_rank,
+        default=2,
+        help='PowerSGD rank r; "auto" = chosen per bucket from measurements; 0 = plain hvd '
+        "all-reduce",
+    )
+    parser.add_argument(
+        "--powersgd-max-rank", type=int, default=16, help='the highest rank "auto" may choose'
+    )
+    parser.add_argument(
+        "--powersgd-link",
+        default=None,
+        help='"auto" plans for this link instead of the measured one, e.g. 50mbit or '
+        "1gbit,2ms (to train with a slow link's choices on a fast one)",
     )
     parser.add_argument(
         "--rounds",
@@ -90,6 +103,16 @@ def add_common_args(parser: argparse.ArgumentParser, start_iter_help: str | None
     )
 
 
+def powersgd_rank(text: str):
+    """--powersgd-rank: "auto" or an integer >= 0."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'must be an integer or "auto", got {text!r}') from None
+
+
 def parse(parser: argparse.ArgumentParser, argv):
     args = parser.parse_args(argv)
     for flag in ("epochs", "batch_size"):
@@ -97,7 +120,8 @@ def parse(parser: argparse.ArgumentParser, argv):
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     for flag in ("powersgd_rank", "start_iter", "train_subset", "eval_subset", "max_steps",
                  "powersgd_log_every"):  # fmt: skip
-        if getattr(args, flag) is not None and getattr(args, flag) < 0:
+        value = getattr(args, flag)
+        if value is not None and value != "auto" and value < 0:
             parser.error(f"--{flag.replace('_', '-')} must be >= 0")
     return args
 
@@ -166,6 +190,8 @@ def distributed_optimizer(optimizer, model, args):
         min_compression_rate=args.min_compression_rate,
         seed=args.seed,
         log_every=args.powersgd_log_every,
+        max_rank=args.powersgd_max_rank,
+        auto_link=args.powersgd_link,
     )
 
 
@@ -213,7 +239,9 @@ class TensorBoardLog:
     Every ``every`` steps: ``train/loss`` (rank 0's mean over those steps),
     ``comm/bytes_sent`` (per worker, so far) and ``comm/compression_ratio``;
     with PowerSGD also, per compressed layer, ``relative_error/<layer>`` and
-    ``error_ratio/<layer>`` (averaged over the ranks at PowerSGD's last check).
+    ``error_ratio/<layer>`` (averaged over the ranks at PowerSGD's last check),
+    and with ``--powersgd-rank auto`` per layer ``rank/<layer>``, the rank it
+    chose (0: sent as it is).
     The examples add their per-epoch metrics with ``scalar()``. The x axis is
     the number of training steps so far.
     """
@@ -245,7 +273,10 @@ class TensorBoardLog:
         self.scalar("comm/bytes_sent", totals["bytes_sent"], step)
         self.scalar("comm/compression_ratio", totals["ratio"], step)
         if self.meter.powersgd:
-            for layer in self.meter.optimizer.compression_stats(per_layer=True)["layers"]:
+            stats = self.meter.optimizer.compression_stats(per_layer=True)
+            for row in stats.get("plan", ()):  # --powersgd-rank auto: what it chose
+                self.scalar(f"rank/{row['name']}", row["rank"], step)
+            for layer in stats["layers"]:
                 for key, tag in (("avg_relative_error", "relative_error"),
                                  ("avg_error_ratio", "error_ratio")):  # fmt: skip
                     if layer[key] is not None:

@@ -138,9 +138,9 @@ def state_digest(step: int, shared: dict) -> list[int]:
             for name in sorted(value):
                 h.update(name.encode())
                 h.update(_raw_bytes(value[name]))
-        elif isinstance(value, list):
-            for tensor in value:
-                h.update(_raw_bytes(tensor))
+        elif isinstance(value, list):  # RNG states; the buckets' ranks
+            for item in value:
+                h.update(_raw_bytes(item) if torch.is_tensor(item) else repr(item).encode())
         else:
             h.update(repr(value).encode())
     return [int.from_bytes(h.digest()[i : i + 8], "little", signed=True) for i in (0, 8, 16, 24)]
@@ -180,6 +180,9 @@ class Agreement:
         # size are stale.
         opt.compressor.reset_error()
         self.world_size = opt._comm.size
+        if opt._monitor is not None:
+            opt._monitor.workers = opt._comm.size
+        opt._tuner.resized(opt)
 
     def _broadcast_ran(self, opt) -> None:
         """hvd.broadcast_optimizer_state ran (see SYNC_KEY): every rank agrees now."""
@@ -215,6 +218,7 @@ class Agreement:
         comm = opt._comm
         shared = opt.compressor.shared_state()
         payload = {"compressor": shared, "step": opt.powersgd_step, "stats": comm.counters()}
+        payload["auto"] = opt._tuner.state_dict()
         payload = comm.broadcast_object(payload, root_rank, "sync")
         root = payload["compressor"]
         changed = payload["step"] != opt.powersgd_step or any(
@@ -224,6 +228,9 @@ class Agreement:
         opt.compressor.load_shared_state(root)
         opt.powersgd_step = payload["step"]
         comm.set_counters(payload["stats"])
+        opt._reducer.refresh()  # the root's plan (rank="auto"), its tuner's state
+        opt._tuner.load_state_dict(payload["auto"], opt)
+        opt._rebuild_monitor()
         self.pending = self.loaded = False
         opt._guard.request()
         # One small all-gather tells every rank which ranks took the root's
@@ -243,6 +250,7 @@ class Agreement:
         if any(resized for _, resized in flags):
             opt.compressor.reset_error()  # every residual was a share of the old world's sum
             opt._reset_monitor()
+            opt._tuner.resized(opt)
         elif took_over:
             if hvd_comm.rank() in took_over:
                 opt.compressor.reset_error()

@@ -351,27 +351,106 @@ class PowerSGDCompressor:
     ):
         self.config = config
         self.schedule = TwoRounds(config) if config.rounds == 2 else Alternating(config)
-        self.factors: list[Factors] = []  # in the order of first use, which seeds them
+        self._tensors = list(named_tensors)
+        self._bucket_of = {
+            name: None if bucket_of is None else bucket_of[name] for name, _ in self._tensors
+        }
+        # The rank of each bucket (0: sent as it is); rank="auto" starts plain.
+        first = 0 if config.auto else config.rank
+        self.ranks: dict[object, int] = {b: first for b in self._bucket_of.values()}
+        self.factors: list[Factors] = []  # by key, in the order of first use
         self._by_bucket: dict[object, list[Factors]] = {}
         self._where: dict[str, tuple[ShapeGroup, int]] = {}
         self._shapes: dict[str, torch.Size] = {}
-        keyed: dict[tuple, Factors] = {}
-        for name, tensor in named_tensors:
-            if not config.compresses(tensor.shape):
+        # A generator per (bucket, device, dtype), seeded apart in the order of
+        # first use, kept across rank changes: independent, rank-identical streams.
+        self._generators: dict[tuple, torch.Generator] = {}
+        lowest = min(config.ladder()) if config.auto else config.rank
+        for name, tensor in self._tensors:  # every buffer any rank may need
+            if config.compresses(tensor.shape, lowest):
+                key = (self._bucket_of[name], tensor.device, compute_dtype(tensor.dtype))
+                if key not in self._generators:
+                    self._generators[key] = torch.Generator(device=tensor.device)
+                    self._generators[key].manual_seed(config.seed + len(self._generators) - 1)
+        self._keyed: dict[tuple, Factors] = {}
+        self._build(set(self.ranks))
+
+    def _build(self, buckets: set) -> None:
+        """(Re)allocate the factor buffers of `buckets` at their ranks in `self.ranks`."""
+        for key in [k for k in self._keyed if k[0] in buckets]:
+            for name in self._keyed.pop(key).names():
+                del self._where[name], self._shapes[name]
+        for name, tensor in self._tensors:
+            bucket = self._bucket_of[name]
+            if bucket not in buckets or not self.config.compresses(
+                tensor.shape, self.ranks[bucket]
+            ):
                 continue
-            n, m = matrix_shape(tensor.shape)
-            bucket = None if bucket_of is None else bucket_of[name]
             key = (bucket, tensor.device, compute_dtype(tensor.dtype))
-            if key not in keyed:
-                # Seed each buffer apart: independent, rank-identical random streams.
-                keyed[key] = Factors(*key[1:], config.comm_dtype, config.seed + len(keyed))
-                self.factors.append(keyed[key])
-                self._by_bucket.setdefault(bucket, []).append(keyed[key])
-            self._where[name] = keyed[key].add(name, tensor.shape, config.matrix_rank(n, m))
+            if key not in self._keyed:
+                self._keyed[key] = Factors(*key[1:], self.config.comm_dtype, self._generators[key])
+            n, m = matrix_shape(tensor.shape)
+            rank = self.config.matrix_rank(n, m, self.ranks[bucket])
+            self._where[name] = self._keyed[key].add(name, tensor.shape, rank)
             self._shapes[name] = tensor.shape
-        for factors in self.factors:
-            factors.allocate(p_memory=config.rounds == 1)
-            self.schedule.prepare(factors)
+        for key, factors in self._keyed.items():
+            if key[0] in buckets:
+                factors.allocate(p_memory=self.config.rounds == 1)
+                self.schedule.prepare(factors)
+        self.factors = [self._keyed[k] for k in self._generators if k in self._keyed]
+        self._by_bucket = {}
+        for key in self._generators:
+            if key in self._keyed:
+                self._by_bucket.setdefault(key[0], []).append(self._keyed[key])
+
+    def set_ranks(self, ranks: Mapping[object, int]) -> dict[str, torch.Tensor]:
+        """Send each bucket of `ranks` at its new rank (0: as it is) from the next step on.
+
+        Nothing is lost: a matrix that stays compressed keeps its error buffer,
+        and its Q (and P) memory keeps its first min(old, new) columns (the
+        others start from the shared random draw, as at the start); the error
+        buffers of matrices that are no longer compressed are returned, for the
+        caller to send.
+
+        Returns:
+            name -> the residual of each matrix that leaves compression.
+        """
+        changed = {b for b, r in ranks.items() if self.ranks[b] != r}
+        if not changed:
+            return {}
+        old = {n: self._matrix_state(n) for n in self._where if self._bucket_of[n] in changed}
+        self.ranks.update(ranks)
+        self._build(changed)
+        for name, (error, memories) in old.items():
+            if name in self._where:
+                group, i = self._where[name]
+                group.matrices[i].copy_(error)
+                for key, memory in memories.items():
+                    now = self._state_tensor(key, name)
+                    columns = min(now.shape[1], memory.shape[1])
+                    now[:, :columns].copy_(memory[:, :columns])
+        for factors in self.of_buckets(changed):
+            factors.warm = False  # its memories were not averaged at this rank yet
+        return {name: error for name, (error, _) in old.items() if name not in self._where}
+
+    def _matrix_state(self, name: str):
+        """(error buffer, {memory key: memory}) of `name`, copied."""
+        keys = ("q_memory", "p_memory") if self.config.rounds == 1 else ("q_memory",)
+        group, i = self._where[name]
+        return group.matrices[i].clone(), {k: self._state_tensor(k, name).clone() for k in keys}
+
+    def of_buckets(self, buckets) -> list[Factors]:
+        return [f for b in buckets for f in self._by_bucket.get(b, [])]
+
+    def layout(self, ranks: Mapping[object, int]) -> dict[str, tuple[int, int, int]]:
+        """name -> (n, m, r) of every matrix compressed when the buckets have `ranks`."""
+        out = {}
+        for name, tensor in self._tensors:
+            rank = ranks.get(self._bucket_of[name], 0)
+            if self.config.compresses(tensor.shape, rank):
+                n, m = matrix_shape(tensor.shape)
+                out[name] = (n, m, self.config.matrix_rank(n, m, rank))
+        return out
 
     # --- structure ----------------------------------------------------------------
     @property
@@ -462,7 +541,8 @@ class PowerSGDCompressor:
         for name in self._where:
             for key in state:
                 state[key][name] = self._state_tensor(key, name).detach()
-        state["rng_states"] = [f.generator.get_state() for f in self.factors]
+        state["rng_states"] = [g.get_state() for g in self._generators.values()]
+        state["ranks"] = [[bucket, rank] for bucket, rank in self.ranks.items()]
         return state
 
     def _tensor_keys(self) -> tuple[str, ...]:
@@ -481,29 +561,50 @@ class PowerSGDCompressor:
                 raise ValueError(
                     f"PowerSGD state has no '{key}': not a horovod_powersgd checkpoint"
                 )
+        layout = self.layout(self._saved_ranks(state))
         for key in tensor_keys:
             saved = state.get(key)
             if saved is None:
                 continue
-            if set(saved) != set(self._where):
-                missing = sorted(set(self._where) - set(saved))
-                extra = sorted(set(saved) - set(self._where))
+            if set(saved) != set(layout):
+                missing = sorted(set(layout) - set(saved))
+                extra = sorted(set(saved) - set(layout))
                 raise ValueError(
                     f"PowerSGD checkpoint does not match this model's compressed parameters "
                     f"({key}): missing {missing[:5]}, unexpected {extra[:5]}"
                 )
             for name, tensor in saved.items():
-                expected = self._state_tensor(key, name)
-                if tuple(tensor.shape) != tuple(expected.shape):
+                n, m, r = layout[name]
+                expected = {"error_buffers": (n, m), "q_memory": (m, r), "p_memory": (n, r)}[key]
+                if tuple(tensor.shape) != expected:
                     raise ValueError(
                         f"PowerSGD checkpoint: {key}[{name!r}] has shape {tuple(tensor.shape)}, "
-                        f"this model needs {tuple(expected.shape)} (a different model or rank?)"
+                        f"this model needs {expected} (a different model or rank?)"
                     )
-        if len(state["rng_states"]) != len(self.factors):
+        if len(state["rng_states"]) != len(self._generators):
             raise ValueError(
                 f"PowerSGD checkpoint has {len(state['rng_states'])} RNG states, "
-                f"this model needs {len(self.factors)}"
+                f"this model needs {len(self._generators)}"
             )
+
+    def _saved_ranks(self, state: dict) -> dict:
+        """The bucket ranks a state was saved with (checkpoints before ranks: today's)."""
+        try:  # [[bucket, rank], ...]
+            ranks = dict(state["ranks"]) if "ranks" in state else dict(self.ranks)
+        except (TypeError, ValueError):
+            ranks = None
+        if ranks is None or set(ranks) != set(self.ranks):
+            raise ValueError(
+                "PowerSGD checkpoint has ranks for other buckets: saved by another model"
+            )
+        allowed = {0, *self.config.ladder()} if self.config.auto else {self.config.rank}
+        bad = {b: r for b, r in ranks.items() if r not in allowed}
+        if bad:
+            raise ValueError(
+                f"PowerSGD checkpoint was saved with bucket ranks {sorted(set(bad.values()))}; "
+                f"this optimizer uses {sorted(allowed)} (rank={self.config.rank!r})"
+            )
+        return ranks
 
     def _state_tensor(self, key: str, name: str) -> torch.Tensor:
         """The live tensor behind `state_dict()[key][name]`."""
@@ -517,11 +618,16 @@ class PowerSGDCompressor:
     def _load(self, state: dict, tensor_keys) -> None:
         """Validate `state` (its `tensor_keys` and RNG states), then copy it in."""
         self.check_state_dict(state, tensor_keys)
+        saved = self._saved_ranks(state)
+        if saved != self.ranks:  # rank="auto" resumes the plan it saved
+            changed = {b for b, r in saved.items() if self.ranks[b] != r}
+            self.ranks.update(saved)
+            self._build(changed)
         for key in tensor_keys:
             for name, tensor in state.get(key, {}).items():
                 self._state_tensor(key, name).copy_(tensor)
-        for factors, rng in zip(self.factors, state["rng_states"]):
-            factors.generator.set_state(rng.cpu() if hasattr(rng, "cpu") else rng)
+        for generator, rng in zip(self._generators.values(), state["rng_states"]):
+            generator.set_state(rng.cpu() if hasattr(rng, "cpu") else rng)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()` output; validates everything before changing anything."""

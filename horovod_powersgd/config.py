@@ -9,6 +9,7 @@ the other arguments of `DistributedOptimizer` that need no Horovod to check
 from __future__ import annotations
 
 import numbers
+import re
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +47,9 @@ class PowerSGDConfig:
     """
 
     # --- tuned by users -------------------------------------------------------
-    # Rank r of the approximation P·Qᵀ; capped per tensor at min(n, m).
-    rank: int = 2
+    # Rank r of the approximation P·Qᵀ; capped per tensor at min(n, m). "auto":
+    # chosen per bucket from measurements of this job (tuner.py), up to max_rank.
+    rank: int | str = 2
     # All-reduce rounds per step: 2 = P, then Q (the paper); 1 = alternately Q
     # and P (the authors' current code), half the bytes and no round after backward.
     rounds: int = 2
@@ -76,14 +78,25 @@ class PowerSGDConfig:
     gradient_predivide_factor: float = 1.0
     # Make sparse gradients dense (then compressed like any other) instead of refusing them.
     sparse_as_dense: bool = False
+    # --- rank="auto" (tuner.py) ------------------------------------------------------
+    # The highest rank of the ladder auto chooses from (1, 2, 4, ... up to it).
+    max_rank: int = 16
+    # The link to plan for instead of the one measured, e.g. "50mbit" or
+    # "1gbit,2ms" (bandwidth per link, then the all-reduce latency): to test,
+    # or to train with a slow link's decisions on a fast one. None: measured.
+    auto_link: str | None = None
     # --- statistics (monitor.py) --------------------------------------------------
     # Per-layer quality and the early warning; off saves a norm per gradient and
     # error buffer per step and a small all-reduce every 10 steps.
     layer_stats: bool = True
 
     def __post_init__(self):
-        if not _is_int(self.rank) or self.rank < 1:
-            raise ValueError(f"rank must be an integer >= 1, got {self.rank!r}")
+        if self.rank != "auto" and (not _is_int(self.rank) or self.rank < 1):
+            raise ValueError(f'rank must be an integer >= 1 or "auto", got {self.rank!r}')
+        if not _is_int(self.max_rank) or self.max_rank < 1:
+            raise ValueError(f"max_rank must be an integer >= 1, got {self.max_rank!r}")
+        if self.auto_link is not None:
+            parse_link(self.auto_link)
         if self.rounds not in (1, 2) or not _is_int(self.rounds):
             raise ValueError(f"rounds must be 1 or 2, got {self.rounds!r}")
         if not _is_int(self.start_iter) or self.start_iter < 0:
@@ -117,13 +130,22 @@ class PowerSGDConfig:
         if not isinstance(factor, numbers.Real) or isinstance(factor, bool) or not factor > 0:
             raise ValueError(f"gradient_predivide_factor must be a number > 0, got {factor!r}")
 
-    def matrix_rank(self, n: int, m: int) -> int:
-        """The rank used for an n x m matrix: the configured rank, capped at min(n, m)."""
-        return min(self.rank, n, m)
+    @property
+    def auto(self) -> bool:
+        return self.rank == "auto"
 
-    def compresses(self, shape: torch.Size) -> bool:
-        """Whether a gradient of this shape is sent as P and Q (the rate test)."""
-        if len(shape) < 2:
+    def ladder(self) -> tuple[int, ...]:
+        """The ranks auto chooses from: powers of two up to `max_rank`, and max_rank."""
+        ranks = [2**i for i in range(self.max_rank.bit_length()) if 2**i <= self.max_rank]
+        return tuple(sorted({*ranks, self.max_rank}))
+
+    def matrix_rank(self, n: int, m: int, rank: int | None = None) -> int:
+        """The rank used for an n x m matrix: `rank` (default: the configured one), capped."""
+        return min(self.rank if rank is None else rank, n, m)
+
+    def compresses(self, shape: torch.Size, rank: int | None = None) -> bool:
+        """Whether a gradient of this shape is sent as P and Q at `rank` (the rate test)."""
+        if len(shape) < 2 or (rank is None and self.auto) or rank == 0:
             return False
         n = shape[0]
         m = 1
@@ -131,8 +153,29 @@ class PowerSGDConfig:
             m *= d
         if n == 0 or m == 0:
             return False
-        r = self.matrix_rank(n, m)
+        r = self.matrix_rank(n, m, rank)
         return n * m >= self.min_compression_rate * r * (n + m)
+
+
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
+_LINK = re.compile(r"(\d+(?:\.\d+)?)([kmg]?)bit(?:,(\d+(?:\.\d+)?)ms)?")
+
+
+def parse_link(text: str) -> tuple[float, float]:
+    """(bytes per second, latency in seconds) of a link like "50mbit" or "1gbit,2ms".
+
+    Example:
+        >>> parse_link("50mbit"), parse_link("1gbit,0.5ms")
+        ((6250000.0, 0.001), (125000000.0, 0.0005))
+    """
+    found = _LINK.fullmatch(str(text).lower().replace(" ", ""))
+    bits = float(found.group(1)) * _UNITS[found.group(2)] if found else 0.0
+    if not bits > 0:
+        raise ValueError(
+            f'a link must read like "50mbit" or "1gbit,2ms" (bits per second with k, m or '
+            f"g, then optionally the latency of one all-reduce in ms), got {text!r}"
+        )
+    return bits / 8, float(found.group(3) or 1.0) / 1e3
 
 
 def check_log_every(log_every) -> None:

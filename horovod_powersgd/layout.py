@@ -176,23 +176,28 @@ class Factors:
     Args:
         device, dtype: of the matrices' state (the compute dtype).
         comm_dtype: what P and Q travel in (None: `dtype`).
-        seed: of this buffer's random draws, the same on every rank.
+        generator: of this buffer's random draws, in the same state on every rank.
     """
 
-    def __init__(self, device, dtype, comm_dtype, seed: int):
+    def __init__(self, device, dtype, comm_dtype, generator: torch.Generator):
         self.device = device
         self.dtype = dtype
         self.comm_dtype = comm_dtype or dtype
         # Scaling buys range only where the wire is narrower than the math.
         self.scaled = self.comm_dtype == torch.float16 and dtype != torch.float16
         self.groups: OrderedDict[tuple[int, int, int], ShapeGroup] = OrderedDict()
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
+        self.generator = generator
+        # False until a step averaged memories at this layout (a rank change
+        # keeps columns of another rank): no float16 wire scale from them yet.
+        self.warm = True
         # --- the schedule's own, per step (compressor.py) ----------------------------
         self.partner_batches: list[list[PaddedBatch]] = [[], []]  # by step parity
         self.project_batches: list[PaddedBatch] = []  # rounds=2: the summed P
         self.p_finite: torch.Tensor | None = None  # rounds=2: per matrix, P of this step
         self.sent: list[str] = []  # rounds=1: "p"/"q", what this step sends
+
+    def names(self) -> list[str]:
+        return [name for g in self.groups.values() for name in g.names]
 
     def add(self, name: str, shape: torch.Size, rank: int) -> tuple[ShapeGroup, int]:
         """Place the matrix of parameter `name` (at rank r); returns its group and index."""

@@ -40,6 +40,7 @@ from .config import PowerSGDConfig, check_groups, check_log_every, check_named_p
 from .guard import DriftGuard
 from .monitor import LayerMonitor
 from .reducer import Reducer, make_buckets
+from .tuner import FixedRanks, Tuner
 
 STATE_KEY = "powersgd"  # this rank's PowerSGD state in state_dict()
 # Horovod's own messages, for the same mistakes.
@@ -93,19 +94,17 @@ class _DistributedOptimizer:
             config,
             bucket_of={self._names[p]: b.index for b in buckets for p in b.params},
         )
+        self.powersgd_step = 0  # communication steps done so far: the one step counter
+        self._tuner = Tuner(config, comm) if config.auto else FixedRanks(config)
+        self._log_every = log_every
         self._monitor = None  # per-layer statistics, log line and early warning
-        if config.layer_stats and self._active:
-            self._monitor = LayerMonitor(
-                self.compressor, comm.allreduce_sum, workers=comm.size,
-                reporter=comm.set_rank == 0, log_every=log_every,
-            )  # fmt: skip
-        self._reducer = Reducer(buckets, self._names, self.compressor, comm, self._monitor)
+        self._reducer = Reducer(buckets, self._names, self.compressor, comm)
+        self._rebuild_monitor()
         self._guard = DriftGuard(
             [(self._names[p], p) for p in self._params], config.drift_check_every, comm
         )
         self._agreement = Agreement(self._active, comm.size)
         # --- per step -------------------------------------------------------------------
-        self.powersgd_step = 0  # communication steps done so far: the one step counter
         self._delay = {p: config.backward_passes_per_step for p in self._params}
         self._pending = False  # a backward pass was counted since the last synchronize()
         self._synchronized = False
@@ -147,7 +146,8 @@ class _DistributedOptimizer:
         self._agreement.begin_step(self)  # before the step's first collective
         # A synchronize() whose step was skipped (e.g. by GradScaler) is over.
         self._synchronized = False
-        self._reducer.begin(done=self.powersgd_step - self.config.start_iter)
+        self._tuner.begin_step(self)
+        self._reducer.begin(done=self.powersgd_step - self._tuner.start)
 
     def synchronize(self) -> None:
         """Finish this step's communication; afterwards `p.grad` holds the aggregate.
@@ -164,15 +164,15 @@ class _DistributedOptimizer:
         for p in self._params:
             if p not in self._reducer.done:
                 self._ready_without_hook(p)
-        compressed = self._reducer.compressing
         self._reducer.finish()
         self.powersgd_step += 1
         self._guard.note_step(self.powersgd_step)
         self._reset_step()
         self._synchronized = True
-        if self._monitor is not None:  # last: its warning may raise (-W error) on every rank
-            self._monitor.workers = self._comm.size
+        if self._monitor is not None:  # its warning may raise (-W error) on every rank alike
+            compressed = self._reducer.compressing  # this step's (reset() keeps it)
             self._monitor.end_step(self.powersgd_step, compressed, self.compression_stats)
+        self._tuner.end_step(self)  # rank="auto": measure, try, settle (it may change ranks)
 
     def _ready_without_hook(self, p: torch.Tensor) -> None:
         """A parameter whose hook did not fire this step (unused, or a gradient set by hand)."""
@@ -221,8 +221,7 @@ class _DistributedOptimizer:
         """Forget everything about the step in progress (after it, or on load_state_dict)."""
         self._reducer.reset()
         self._pending = False
-        for p in self._params:
-            self._delay[p] = self.config.backward_passes_per_step
+        self._delay = dict.fromkeys(self._params, self.config.backward_passes_per_step)
 
     # --- Horovod's optimizer interface ----------------------------------------------------
     @contextmanager
@@ -275,6 +274,10 @@ class _DistributedOptimizer:
             `bytes_sent`, the same in bytes at the dtype sent; and `ratio`,
             elements_uncompressed / elements_sent (0.0 before the first step).
             These are this rank's (equal on every rank in a plain data-parallel run).
+            With rank="auto" also `plan`: per parameter `name`, `bucket`, `method`
+            ("powersgd" or "plain"), `rank` (0: plain), `bucket_ms` (the bucket's
+            measured local work at that rank) and `saved_ms` (the model's
+            expected saving over sending the bucket plain); see docs/auto.md.
 
             With `per_layer` (and `layer_stats=True`), `layers` lists per
             compressed tensor: `name`, `shape`, `matrix` (n, m), `rank`,
@@ -296,11 +299,11 @@ class _DistributedOptimizer:
             >>> worst = max(opt.compression_stats(per_layer=True)["layers"],
             ...             key=lambda layer: layer["avg_relative_error"] or 0)
         """
-        steps = self.powersgd_step
-        uncompressed = steps * sum(p.numel() for p in self._params)
-        stats = {"steps": steps, "elements_uncompressed": uncompressed, **self._comm.counters()}
+        stats = self._totals()
         sent = stats["elements_sent"]
-        stats["ratio"] = uncompressed / sent if sent else 0.0
+        stats["ratio"] = stats["elements_uncompressed"] / sent if sent else 0.0
+        if self.config.auto:
+            stats["plan"] = self._tuner.plan(self)
         if per_layer:
             monitor = self._monitor
             stats["layers"] = monitor.layers() if monitor is not None else []
@@ -309,9 +312,29 @@ class _DistributedOptimizer:
             stats["error_norm"], stats["gradient_norm"] = norms
         return stats
 
+    def _totals(self) -> dict:
+        steps = self.powersgd_step
+        uncompressed = steps * sum(p.numel() for p in self._params)
+        return {"steps": steps, "elements_uncompressed": uncompressed, **self._comm.counters()}
+
     def _reset_monitor(self) -> None:
         if self._monitor is not None:
             self._monitor.reset()
+            self._monitor.workers = self._comm.size  # its log line and warning say how many
+
+    def _rebuild_monitor(self) -> None:
+        """Statistics of the layers compressed now (at construction, and after a new plan)."""
+        if not (self.config.layer_stats and self._active):
+            return
+        warned = self._monitor is not None and self._monitor.warned
+        self._monitor = LayerMonitor(
+            self.compressor, self._comm.allreduce_sum, workers=self._comm.size,
+            reporter=self._comm.set_rank == 0, log_every=self._log_every,
+        )  # fmt: skip
+        self._monitor.warned = warned  # one warning per run
+        # Its averages need CHECK_EVERY compressed steps of this layout first.
+        self._monitor.start_iter = max(self._tuner.start, self.powersgd_step)
+        self._reducer.monitor = self._monitor
 
     def state_dict(self):
         """The wrapped optimizer's state plus this rank's PowerSGD state.
@@ -329,14 +352,14 @@ class _DistributedOptimizer:
         state = self._base.state_dict(self)
         if state["param_groups"]:
             state["param_groups"][0][SYNC_KEY] = True
-        stats = self.compression_stats()
-        del stats["ratio"]
         state[STATE_KEY] = {
             "step": self.powersgd_step,
             "world_size": self._comm.size,
-            "stats": stats,
+            "stats": self._totals(),
             "compressor": self.compressor.state_dict(),
         }
+        if self.config.auto:
+            state[STATE_KEY]["auto"] = self._tuner.state_dict()
         return state
 
     def load_state_dict(self, state_dict):
@@ -385,6 +408,9 @@ class _DistributedOptimizer:
         else:
             self.compressor.load_state_dict(ours["compressor"])
         self.powersgd_step = ours["step"]
+        self._reducer.refresh()  # rank="auto" resumes its plan (the compressor's ranks)
+        self._tuner.load_state_dict(ours.get("auto"), self)
+        self._rebuild_monitor()
         self._comm.set_counters(ours["stats"])
         self._agreement.world_size = self._comm.size
         if ours["world_size"] != self._comm.size:
@@ -457,7 +483,7 @@ def DistributedOptimizer(
     sparse_as_dense: bool = False,
     process_set=hvd_comm.global_process_set,
     *,
-    rank: int = 2,
+    rank: int | str = 2,
     rounds: int = 2,
     start_iter: int = 0,
     min_compression_rate: float = 2.0,
@@ -468,6 +494,8 @@ def DistributedOptimizer(
     drift_check_every: int = 100,
     layer_stats: bool = True,
     log_every: int = 0,
+    max_rank: int = 16,
+    auto_link: str | None = None,
 ):
     """Wrap a torch optimizer so that its gradients are averaged with PowerSGD.
 
@@ -517,7 +545,10 @@ def DistributedOptimizer(
             so they are compressed like any other; without it they raise.
         process_set: the Horovod process set to reduce over. A rank outside it
             trains on its own gradients, as with Horovod.
-        rank: matrix approximation rank r (>= 1), capped at min(n, m) per tensor.
+        rank: matrix approximation rank r (>= 1), capped at min(n, m) per tensor;
+            or "auto": each bucket plain or at a rank up to `max_rank`, chosen
+            from measurements of this job (tuner.py, docs/auto.md) and kept up
+            to date; `compression_stats()["plan"]` shows the choice.
         rounds: all-reduce rounds per step: 2 = P, then Q; 1 = Q and P alternately.
         start_iter: steps of plain all-reduce before compression starts.
         min_compression_rate: compress an n x m gradient only if
@@ -542,6 +573,11 @@ def DistributedOptimizer(
             ``horovod_powersgd``, level INFO): steps, compression ratio, bytes,
             and the layers with the largest relative error. 0 (default): off.
             May differ between ranks.
+        max_rank: rank="auto" chooses among plain and ranks 1, 2, 4, ... up to this.
+        auto_link: rank="auto" plans for this link instead of the measured one,
+            e.g. "50mbit" or "1gbit,2ms" (an all-reduce's bandwidth, then its
+            latency); also HOROVOD_POWERSGD_LINK. For tests, or to train with a
+            slow link's decisions on a fast one.
 
     Returns:
         An optimizer of a class derived from `type(optimizer)`.
@@ -578,7 +614,7 @@ def DistributedOptimizer(
         warm_start=warm_start, seed=seed, comm_dtype=comm_dtype,
         drift_check_every=drift_check_every, backward_passes_per_step=backward_passes_per_step,
         gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
-        layer_stats=layer_stats,
+        layer_stats=layer_stats, max_rank=max_rank, auto_link=auto_link,
     )  # fmt: skip
     if gradient_predivide_factor != 1.0 and op != hvd_comm.Average:
         raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")

@@ -89,14 +89,20 @@ class Reducer:
         self.two_rounds = compressor.schedule.rounds == 2
         self.buckets = buckets
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
-        self._compressed = {p for p in self._bucket_of if compressor.is_compressed(names[p])}
-        for b in self.buckets:
-            for p in b.params:
-                (b.compressed if p in self._compressed else b.uncompressed).append(p)
+        self.refresh()
         self.launched: list[Bucket] = []  # buckets whose first round is in flight
         self.done: set[torch.Tensor] = set()  # parameters whose gradient is final this step
         self.in_step = False
         self.compressing = False
+
+    def refresh(self) -> None:
+        """Read which parameters the compressor compresses (at construction, after a plan)."""
+        self._compressed = {
+            p for p in self._bucket_of if self.compressor.is_compressed(self.names[p])
+        }
+        for b in self.buckets:
+            b.compressed = [p for p in b.params if p in self._compressed]
+            b.uncompressed = [p for p in b.params if p not in self._compressed]
 
     def begin(self, done: int) -> None:
         """A new step: PowerSGD after `done` >= 0 compressed steps, else (warm-up) plain."""

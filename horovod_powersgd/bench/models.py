@@ -7,6 +7,10 @@
 * ``lstm``: the paper's WikiText-2 language model: 3-layer LSTM, embedding and
   hidden size 650, decoder weight tied to the embedding. The vocabulary of
   28,869 tokens gives 28.95M parameters.
+* ``gpt``: a small GPT-style decoder: 4 pre-norm blocks of width 256 (4 heads,
+  MLP 1024), context 128, a vocabulary of 8,192 tokens with the output tied to
+  the token embedding: 5.3M parameters, the kind of model AdamW trains (here,
+  like the others, with SGD: the benchmark times communication).
 * ``manyshapes``: 300 linear layers of random widths (32-288, fixed seed), so
   nearly every layer is a shape of its own, the case where work batched per
   shape alone is slow (docs/benchmarks-overheads.md): 298 shapes, 8.15M
@@ -97,6 +101,48 @@ def _many_shapes_widths(layers: int = MANY_SHAPES_LAYERS) -> list[int]:
     return torch.randint(32, 289, (layers + 1,), generator=g).tolist()
 
 
+GPT_VOCAB, GPT_WIDTH, GPT_LAYERS, GPT_HEADS, GPT_CONTEXT = 8192, 256, 4, 4, 128
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
+
+    def forward(self, x, mask):
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """A small decoder-only transformer (see the module docstring)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(GPT_VOCAB, GPT_WIDTH)
+        self.positions = nn.Embedding(GPT_CONTEXT, GPT_WIDTH)
+        self.blocks = nn.ModuleList(GPTBlock(GPT_WIDTH, GPT_HEADS) for _ in range(GPT_LAYERS))
+        self.norm = nn.LayerNorm(GPT_WIDTH)
+        mask = torch.triu(torch.full((GPT_CONTEXT, GPT_CONTEXT), float("-inf")), diagonal=1)
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, tokens):
+        x = self.tokens(tokens) + self.positions.weight[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x, self.mask[: tokens.shape[1], : tokens.shape[1]])
+        return self.norm(x) @ self.tokens.weight.T  # output tied to the token embedding
+
+
+def _gpt_batch(batch_size: int, generator: torch.Generator):
+    tokens = torch.randint(0, GPT_VOCAB, (batch_size, GPT_CONTEXT + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
 class ManyShapes(nn.Module):
     """A stack of linear layers whose widths are drawn at random, the same every time."""
 
@@ -147,6 +193,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable, Callable]] = {
     "resnet18": (ResNet18, _resnet_batch, _resnet_loss),
     "lstm": (LSTMLanguageModel, _lstm_batch, _lstm_loss),
     "manyshapes": (ManyShapes, _many_shapes_batch, _many_shapes_loss),
+    "gpt": (GPT, _gpt_batch, _lstm_loss),  # the same next-token loss
 }
 
 

@@ -173,9 +173,42 @@ RANKED_CONFIGS = (
 )
 
 
+# rank="auto" against the best of a set of configurations at each link:
+# (auto config, what it is compared with, fixed configs (None: any), limit).
+FIXED = ("horovod", "horovod-fp16", "powersgd", "powersgd-1round")
+AUTO_TARGETS = (
+    ("powersgd-auto", "plain Horovod or its fp16", ("horovod", "horovod-fp16"), "unlimited", 1.02),
+    *(
+        ("powersgd-auto", "the best fixed configuration", FIXED, bw, 1.03)
+        for bw in ("1gbit", "200mbit", "50mbit")
+    ),
+    ("powersgd-auto", "local (no communication)", ("local",), "50mbit", 1.05),
+)
+
+
+def auto_rows(records: Sequence[Record]) -> list[tuple[str, str, str, str]]:
+    """(target, measured, limit, verdict) of rank="auto" against the best fixed choice."""
+    rows = []
+    for model in sorted({r.model for r in records}):
+        for cfg, text, fixed, bw, limit in AUTO_TARGETS:
+            at = [r for r in records if r.model == model and r.bandwidth == bw]
+            auto = _find(at, cfg)
+            others = [r for r in at if r.config in fixed]
+            if auto is None or not others:
+                continue
+            best = min(others, key=lambda r: r.median_step_ms)
+            value = auto.median_step_ms / best.median_step_ms
+            verdict = "hit" if value <= limit else "missed"
+            rows.append(
+                (f"{model}: auto / {text} ({label(best)}), {bw}", f"{value:.2f}x",
+                 f"<= {limit}x", verdict)
+            )  # fmt: skip
+    return rows
+
+
 def target_rows(records: Sequence[Record]) -> list[tuple[str, str, str, str]]:
     """(target, measured, limit, verdict) for every target the records can answer."""
-    rows = []
+    rows = auto_rows(records)
     for model, rank, text, num_cfg, den_cfg, bw, limit in TIME_TARGETS:
         at = [r for r in records if r.model == model and r.bandwidth == bw]
         num = _find(at, num_cfg, rank)

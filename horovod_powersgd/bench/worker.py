@@ -29,7 +29,12 @@ HOROVOD_CONFIGS = (
     "powersgd-1round",
     "powersgd-1round-fp16",
     "powersgd-nostats",
+    # rank="auto": plans per bucket from this job's measurements (untimed warm-up
+    # steps measure, try and settle first: AUTO_WARMUP_STEPS at least).
+    "powersgd-auto",
+    "powersgd-1round-auto",
 )
+AUTO_WARMUP_STEPS = 40
 DDP_CONFIGS = ("ddp", "ddp-powersgd")
 CONFIGS = ("local", *HOROVOD_CONFIGS, *DDP_CONFIGS)
 
@@ -49,7 +54,7 @@ def _setup_horovod(args, model) -> tuple[torch.optim.Optimizer, Callable[[], dic
         opt = hps.DistributedOptimizer(
             opt,
             named_parameters=model.named_parameters(),
-            rank=args.rank,
+            rank="auto" if args.config.endswith("auto") else args.rank,
             rounds=1 if "1round" in args.config else 2,
             start_iter=args.start_iter,
             min_compression_rate=args.min_compression_rate,
@@ -185,7 +190,10 @@ def main(argv=None) -> None:
         if hasattr(counters, "step"):
             counters.step()
 
-    for _ in range(args.warmup_steps):
+    warmup = args.warmup_steps
+    if args.config.endswith("auto"):
+        warmup = max(warmup, AUTO_WARMUP_STEPS)
+    for _ in range(warmup):
         train_step()
     barrier()
     before = dict(counters())
@@ -208,6 +216,10 @@ def main(argv=None) -> None:
         # Where a step's time goes (backward includes communication that overlaps it).
         "phase_median_ms": {k: 1e3 * sorted(v)[len(v) // 2] for k, v in phases.items()},
     }
+    if args.config.endswith("auto"):  # what auto chose, and the link it measured
+        report["plan"] = [opt.compressor.ranks[b.index] for b in opt._reducer.buckets]
+        link = opt._tuner.measurements.link
+        report["link"] = {"latency_ms": 1e3 * link.latency_s, "mbit_s": 8e-6 * link.bytes_per_s}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"rank{rank}.json").write_text(json.dumps(report))
     barrier()

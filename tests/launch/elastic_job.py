@@ -26,14 +26,16 @@ def main():
     # "STEP:HOSTS" pairs: at STEP rank 0 writes HOSTS into the discovery file
     parser.add_argument("--changes", nargs="*", default=[])
     parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step")
+    parser.add_argument("--rank", default="2", help='PowerSGD rank, or "auto"')
     args = parser.parse_args()
+    rank = args.rank if args.rank == "auto" else int(args.rank)
     changes = {int(s): h for s, h in (c.split(":", 1) for c in args.changes)}
 
     hvd.init()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    opt = hps.DistributedOptimizer(opt, named_parameters=model.named_parameters(), rank=2)
+    opt = hps.DistributedOptimizer(opt, named_parameters=model.named_parameters(), rank=rank)
     state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
 
     @hvd.elastic.run
@@ -69,6 +71,8 @@ def main():
                             "finite": bool(finite),
                             "params": checksum,
                             "q_memory": q_sum,
+                            "plan": [opt.compressor.ranks[b.index] for b in opt._reducer.buckets],
+                            "plans_taken": getattr(opt._tuner, "changes", 0),
                         }
                     )
                     + "\n"

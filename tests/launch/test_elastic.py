@@ -8,7 +8,8 @@ from conftest import launch
 
 
 @pytest.mark.timeout(450)
-def test_training_continues_when_workers_join_and_leave(tmp_path, python, horovodrun):
+@pytest.mark.parametrize("rank", ["2", "auto"])
+def test_training_continues_when_workers_join_and_leave(tmp_path, python, horovodrun, rank):
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:1\n")
     discover = tmp_path / "discover.sh"
@@ -44,6 +45,8 @@ def test_training_continues_when_workers_join_and_leave(tmp_path, python, horovo
             "--changes",
             "3:localhost:2",
             "70:localhost:1",
+            "--rank",
+            rank,
         ],
         timeout=400,
     )
@@ -72,3 +75,11 @@ def test_training_continues_when_workers_join_and_leave(tmp_path, python, horovo
     for a, b in pairs:
         assert a["params"] == b["params"], (a, b)
         assert a["q_memory"] == b["q_memory"], (a, b)
+        assert a["plan"] == b["plan"], (a, b)
+    if rank == "auto":
+        # It planned with two workers, and planned again once one had left.
+        rank0 = [r for r in records if r["rank"] == 0]
+        two = [r["plans_taken"] for r in rank0 if r["size"] == 2]
+        after = [r["plans_taken"] for r in rank0 if r["size"] == 1 and r["step"] > 70]
+        assert two and max(two) > 0, "auto never planned with two workers"
+        assert after and max(after) > max(two), "no new plan after a worker left"

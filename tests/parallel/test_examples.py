@@ -352,3 +352,20 @@ def test_no_cuda_keeps_the_cpu_where_there_is_a_gpu(monkeypatch, tiny_inputs, ex
     pinned = pretend_gpus(monkeypatch, hvd.local_size())
     check_trained(tiny_run(example, tiny_inputs, "--powersgd-rank", "2", "--no-cuda"))
     assert pinned == []
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_every_example_trains_with_rank_auto_in_both_schedules_and_fp16(
+    tiny_inputs, example, rounds
+):
+    # A pinned slow link: auto measures 8 plain steps, then the model compresses.
+    # 4 epochs of 3 steps: the last is compressed.
+    auto = ["--powersgd-rank", "auto", "--powersgd-link", "10mbit", "--rounds", str(rounds),
+            "--epochs", "4"]  # fmt: skip
+    for record in (tiny_run(example, tiny_inputs, *auto),
+                   tiny_run(example, tiny_inputs, *auto, "--fp16-allreduce")):  # fmt: skip
+        assert [e["steps"] for e in record["epochs"]] == [3, 3, 3, 3]
+        assert all(math.isfinite(e["train_loss"]) for e in record["epochs"])
+        assert record["epochs"][-1]["ratio"] > 1, "auto compressed nothing on a 10 Mbit/s link"
+        assert_same_parameters_on_every_rank(record["model"])

@@ -312,3 +312,23 @@ def test_examples_write_tensorboard_scalars_on_rank_0(tmp_path, example):
     assert bytes_sent == pytest.approx(record["final"]["bytes_sent"], rel=1e-6)
     for name in compressed:
         assert 0 < events.Scalars(f"relative_error/{name}")[-1].value < 1
+
+
+def test_rank_auto_writes_the_chosen_ranks_to_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    main, args, _ = EXAMPLES["fashion_mnist"]
+    args = [a if a != "2" else "auto" for a in args] + ["--powersgd-link", "10mbit"]
+    logdir = tmp_path / "tb"
+    record = main([*TINY, *args, "--tensorboard", str(logdir)])
+    if hvd.rank() != 0:
+        return
+    events = EventAccumulator(str(logdir))
+    events.Reload()
+    names = [n for n, _ in record["model"].named_parameters()]
+    tags = [f"rank/{n}" for n in names]
+    assert set(tags) <= set(events.Tags()["scalars"])
+    final = {tag: events.Scalars(tag)[-1].value for tag in tags}
+    # Each layer's rank (capped at its matrix's min(n, m)); 10 Mbit/s: some compress.
+    assert all(v == int(v) and 0 <= v <= 16 for v in final.values()), final
+    assert any(final.values()), final

@@ -1,0 +1,252 @@
+"""rank="auto": which buckets to compress, and at which rank, from measurements of this job.
+
+Pure: no Horovod and no tensor math. `tuner.py` measures, asks here, and
+applies the answer. A plan gives every bucket (the reducer's unit of
+communication, in the order backward produces them) a rank: 0 sends it as the
+user's `compression` does (plain), r >= 1 sends its compressible tensors as
+PowerSGD factors of rank r.
+
+The model of one step, from what was measured in this job:
+
+* backward makes bucket b's gradients final `ready_s[b]` seconds after its
+  first gradient (measured in plain steps); PowerSGD's local work runs on the
+  same thread, in the hooks, so it delays everything after it;
+* a bucket leaves once it is final and compressed, and the link carries one
+  all-reduce at a time, each taking `latency_s + bytes / bytes_per_s`
+  (measured from this job's own all-reduces of its buckets); with rounds=2 the
+  Q round follows the P round and its projection;
+* the step ends when backward (plus the local work) and the link are both
+  done; the rest of the step (forward, the optimizer) is what the measured
+  plain step takes beyond the model's plain step.
+
+`choose` minimises that over per-bucket ranks (coordinate descent from every
+uniform plan), then, among plans within `tolerance` of the shortest, takes
+the most accurate: plain, then the highest rank, bucket by bucket. The model is
+only a guide: the tuner measures the real step time of a few `candidates`
+before it settles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+PLAIN = 0
+
+
+@dataclass(frozen=True)
+class Link:
+    """An all-reduce of `n` bytes takes `latency_s + n / bytes_per_s`."""
+
+    latency_s: float
+    bytes_per_s: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+    @staticmethod
+    def fit(samples: Sequence[tuple[float, float]]) -> Link:
+        """Least squares over (bytes, seconds) of timed all-reduces; the latency >= 0.
+
+        Example:
+            >>> link = Link.fit([(1e3, 0.01001), (1e6, 0.02), (4e6, 0.05)])
+            >>> round(link.latency_s, 3), round(link.bytes_per_s / 1e6)
+            (0.01, 100)
+        """
+        if not samples:
+            raise ValueError("no timed all-reduce to fit the link to")
+        xs, ys = [float(b) for b, _ in samples], [float(s) for _, s in samples]
+        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+        spread = sum((x - mean_x) ** 2 for x in xs)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0
+        if slope <= 0:  # all of one size, or no cost per byte: all of it is latency
+            return Link(latency_s=max(mean_y, 0.0), bytes_per_s=math.inf)
+        latency = max(mean_y - slope * mean_x, 0.0)
+        return Link(latency_s=latency, bytes_per_s=1.0 / slope)
+
+
+@dataclass(frozen=True)
+class Option:
+    """Bucket b sent as PowerSGD at one rank: its local work and its messages."""
+
+    compress_s: float  # in the hooks, before the bucket can leave
+    work_s: float  # all of its local work in a step (compress included)
+    round1_bytes: float  # rounds=2: P and the uncompressed tensors; rounds=1: all of it
+    round2_bytes: float = 0.0  # rounds=2: Q
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """What a plain step of bucket b costs, and its PowerSGD options by rank."""
+
+    ready_s: float
+    plain_bytes: float
+    options: dict[int, Option] = field(default_factory=dict)  # rank -> option
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """Everything the model needs, measured in this job (the mean over its ranks)."""
+
+    buckets: tuple[Bucket, ...]
+    backward_s: float  # from the first gradient to the last, in a plain step
+    step_s: float  # a whole plain step
+    link: Link  # the link to plan for
+    rounds: int = 2
+    # The step beyond the model's part (forward, the optimizer, the data), from the
+    # plain step on the link it was measured on (None: on `link`).
+    rest_s: float | None = None
+
+    def __post_init__(self):
+        if self.rest_s is None:
+            plain = _timeline(self, [PLAIN] * len(self.buckets))
+            object.__setattr__(self, "rest_s", max(self.step_s - plain, 0.0))
+
+    def with_link(self, link: Link) -> Measurements:
+        """The same job planned for another link (the rest of the step as measured)."""
+        return dataclasses.replace(self, link=link)
+
+
+def _timeline(m: Measurements, plan: Sequence[int]) -> float:
+    """Seconds from the first gradient until both the hooks' work and the link are done."""
+    shift = 0.0  # local work done in the hooks so far: it delays what follows
+    link = 0.0  # the link is busy until then
+    for bucket, rank in zip(m.buckets, plan):
+        option = bucket.options.get(rank) if rank != PLAIN else None
+        if option is None:
+            link = max(bucket.ready_s + shift, link) + m.link.seconds(bucket.plain_bytes)
+            continue
+        leaves = bucket.ready_s + shift + option.compress_s
+        shift += option.work_s
+        link = max(leaves, link) + m.link.seconds(option.round1_bytes)
+        if m.rounds == 2 and option.round2_bytes:
+            link += m.link.seconds(option.round2_bytes)
+    return max(m.backward_s + shift, link)
+
+
+def predict(m: Measurements, plan: Sequence[int]) -> float:
+    """The expected step time of `plan`, in seconds (on the link measured: the plain
+    plan's is the measured one)."""
+    return m.rest_s + _timeline(m, plan)
+
+
+def _accuracy(rank: int) -> float:
+    """Higher is closer to the exact average: plain, then the highest rank."""
+    return math.inf if rank == PLAIN else rank
+
+
+def _choices(bucket: Bucket) -> list[int]:
+    return [PLAIN, *sorted(bucket.options)]
+
+
+def _descend(m: Measurements, plan: list[int], passes: int = 3) -> tuple[list[int], float]:
+    """Coordinate descent: each bucket's fastest choice given the others', until stable."""
+    best = predict(m, plan)
+    for _ in range(passes):
+        moved = False
+        for b, bucket in enumerate(m.buckets):
+            for rank in _choices(bucket):
+                trial = [*plan[:b], rank, *plan[b + 1 :]]
+                seconds = predict(m, trial)
+                if seconds < best - 1e-12:
+                    plan, best, moved = trial, seconds, True
+        if not moved:
+            break
+    return plan, best
+
+
+def uniform(m: Measurements, rank: int) -> list[int]:
+    """Every bucket at `rank` (plain where it has nothing to compress at that rank)."""
+    return [rank if rank in bucket.options else PLAIN for bucket in m.buckets]
+
+
+def fastest(m: Measurements, ladder: Sequence[int]) -> tuple[list[int], float]:
+    """The plan of the shortest predicted step (descent from every uniform plan)."""
+    results = [_descend(m, uniform(m, rank)) for rank in (PLAIN, *ladder)]
+    return min(results, key=lambda result: result[1])
+
+
+def most_accurate_within(
+    m: Measurements, plan: Sequence[int], budget_s: float, order: Sequence[int] | None = None
+) -> list[int]:
+    """`plan` with each bucket raised to its most accurate choice that keeps the step <= budget."""
+    plan = list(plan)
+    for b in order if order is not None else range(len(m.buckets)):
+        for rank in sorted(_choices(m.buckets[b]), key=_accuracy, reverse=True):
+            if _accuracy(rank) <= _accuracy(plan[b]):
+                break
+            trial = [*plan[:b], rank, *plan[b + 1 :]]
+            if predict(m, trial) <= budget_s:
+                plan = trial
+                break
+    return plan
+
+
+def choose(m: Measurements, ladder: Sequence[int], tolerance: float = 0.03) -> list[int]:
+    """The plan: the most accurate among those within `tolerance` of the shortest step.
+
+    Example:
+        >>> fast = Link(latency_s=1e-4, bytes_per_s=1e10)
+        >>> option = Option(compress_s=0.002, work_s=0.005, round1_bytes=1e4, round2_bytes=1e4)
+        >>> b = Bucket(ready_s=0.05, plain_bytes=4e6, options={2: option})
+        >>> m = Measurements((b,), backward_s=0.05, step_s=0.1, link=fast)
+        >>> choose(m, [2]), choose(m.with_link(Link(1e-3, 6.25e6)), [2])  # 10 Gbit/s, 50 Mbit/s
+        ([0], [2])
+    """
+    plan, shortest = fastest(m, ladder)
+    return most_accurate_within(m, plan, shortest * (1 + tolerance))
+
+
+# A plan the model expects this many times slower than its choice is not tried:
+# the model has been off by up to 1.5x on a loaded 2-core machine, never by 3x,
+# and trying plain on a slow link costs steps many times as long.
+HOPELESS = 3.0
+
+
+def candidates(m: Measurements, ladder: Sequence[int], tolerance: float = 0.03) -> list[list[int]]:
+    """Plans worth timing for real: the model's choice, plain, the two best uniform ones
+    (those the model expects at most `HOPELESS` times slower than its choice)."""
+    chosen = choose(m, ladder, tolerance)
+    limit = HOPELESS * predict(m, chosen)
+    uniforms = sorted((uniform(m, r) for r in ladder), key=lambda plan: predict(m, plan))
+    out: list[list[int]] = []
+    for plan in (chosen, uniform(m, PLAIN), *uniforms[:2]):
+        if plan not in out and predict(m, plan) <= limit:
+            out.append(plan)
+    return out
+
+
+def pick_measured(
+    plans: Sequence[Sequence[int]], seconds: Sequence[float], tolerance: float = 0.03
+) -> list[int]:
+    """Of plans timed for real, the most accurate within `tolerance` of the fastest.
+
+    Accuracy compares plans bucket by bucket: the one whose least accurate
+    bucket is most accurate, then the one whose buckets are more accurate on
+    the whole.
+    """
+    shortest = min(seconds)
+    near = [list(p) for p, s in zip(plans, seconds) if s <= shortest * (1 + tolerance)]
+
+    def accuracy(plan):
+        return min(_accuracy(r) for r in plan), sum(min(_accuracy(r), 1e6) for r in plan)
+
+    return max(near, key=accuracy)
+
+
+def raise_failing(
+    m: Measurements, plan: Sequence[int], failing: Sequence[int], budget_s: float
+) -> list[int]:
+    """`plan` with each failing bucket (its approximation fails) one step more accurate,
+    where the step stays within `budget_s`."""
+    plan = list(plan)
+    for b in failing:
+        more = [r for r in _choices(m.buckets[b]) if _accuracy(r) > _accuracy(plan[b])]
+        for rank in sorted(more, key=_accuracy):
+            trial = [*plan[:b], rank, *plan[b + 1 :]]
+            if predict(m, trial) <= budget_s:
+                plan = trial
+            break
+    return plan

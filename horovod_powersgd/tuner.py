@@ -1,0 +1,574 @@
+"""rank="auto": measure this job, plan per bucket, try the best plans for real, keep up.
+
+`Tuner` is called at the start of every step (the first gradient hook) and at
+its end (in `synchronize()`, after the communication, before the wrapped
+optimizer steps). `FixedRanks` is the same interface for a fixed rank, and
+does nothing. The choices themselves are planner.py's. A job's life under auto,
+counted in steps from the start (every rank does the same at the same step):
+
+    measure   MEASURE_STEPS plain steps (the warm-up; `start_iter`, if longer,
+              stays plain to its end): step 0 settles in; CLEAN steps time the
+              step and when each bucket's gradients are final; TIMED steps wait
+              for each bucket's all-reduce at once and time it (the link); PROBE
+              steps run PowerSGD's local work on this step's gradients at every
+              rank of the ladder, bucket by bucket, sending nothing (its cost)
+    plan      the ranks' mean of all that, planner.candidates: a few plans
+    try       each candidate TRIAL_STEPS steps; the first after a change is not
+              timed (it allocates); the ranks' mean step time of the others
+    settled   planner.pick_measured over the timed candidates. After about
+              MEASURE_STEPS + (1 + TRIAL_STEPS) · 4 = 32 steps the plan settles.
+    keep up   every CHECK_EVERY steps: buckets whose approximation fails (the
+              statistics' relative error >= FAILING) move a rank up when the
+              model keeps the step within TOLERANCE; and if the step time moved
+              more than DRIFT from the settled one (the link changed), the link
+              is timed again and, if the model then prefers another plan, the
+              candidates are tried again; a new plan is taken only if it is
+              measured at least HYSTERESIS faster than the current one.
+
+With a pinned link (`auto_link`, or HOROVOD_POWERSGD_LINK), the planner uses it
+instead of the timed all-reduces, and the step time is not tracked (a pinned
+link does not change): the plan then changes only for failing buckets.
+Changing a bucket's rank keeps its error buffers and the leading columns of
+its memories (compressor.set_ranks); a bucket that goes plain has its error
+buffers all-reduced at once and added to this step's gradients, so nothing it
+held back is lost. The plan and its measurements are in the optimizer's state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import statistics
+import time
+
+import torch
+
+from . import planner
+from .comm import first_rank
+from .compressor import PowerSGDCompressor
+from .config import PowerSGDConfig, parse_link
+
+logger = logging.getLogger("horovod_powersgd")
+
+LINK_ENV = "HOROVOD_POWERSGD_LINK"
+CLEAN, TIMED, PROBE = (1, 2, 3), (4, 5), (6, 7)  # steps of the measure phase, by index
+MEASURE_STEPS = 8
+TRIAL_STEPS = 5
+TOLERANCE = 0.03  # plans this much slower than the fastest count as as fast
+CHECK_EVERY = 100
+DRIFT = 0.25
+HYSTERESIS = 0.05
+FAILING = 0.98  # the statistics' mean relative error of a failing bucket's layers
+
+
+class FixedRanks:
+    """A fixed rank: nothing to measure or decide (the interface of `Tuner`)."""
+
+    def __init__(self, config: PowerSGDConfig):
+        self.start = config.start_iter  # the first compressed step
+
+    def begin_step(self, opt) -> None:
+        """At the step's first hook: nothing to do for a fixed rank."""
+
+    def end_step(self, opt) -> None:
+        """After the step's communication: nothing to do for a fixed rank."""
+
+    def resized(self, opt) -> None:
+        """The number of workers changed: a fixed rank stays."""
+
+    def state_dict(self) -> dict | None:
+        return None
+
+    def load_state_dict(self, state, opt) -> None:
+        """Nothing was saved."""
+
+    def plan(self, opt) -> list[dict]:
+        return _plan_rows(opt, {})
+
+
+def pinned_link(config: PowerSGDConfig) -> planner.Link | None:
+    """The link to plan for, if pinned (the setting first, then the environment)."""
+    text = config.auto_link or os.environ.get(LINK_ENV) or None
+    if text is None:
+        return None
+    bytes_per_s, latency_s = parse_link(text)
+    return planner.Link(latency_s=latency_s, bytes_per_s=bytes_per_s)
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device (probe timings only; never in a step's own work)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Recorder:
+    """The optimizer's `Comm` during a measure step: notes when each bucket leaves.
+
+    `timed`: also wait for each all-reduce at once and time it (the link), at
+    the price of backward waiting meanwhile.
+    """
+
+    def __init__(self, comm, start: float, timed: bool):
+        self.comm, self.start, self.timed = comm, start, timed
+        self.launched: dict[str, float] = {}  # collective name -> seconds after start
+        self.samples: list[tuple[str, int, float]] = []  # (name, bytes, seconds)
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+    def allreduce_async(self, tensors, name):
+        now = time.perf_counter()
+        self.launched[name] = now - self.start
+        handle = self.comm.allreduce_async(tensors, name)
+        if not self.timed:
+            return handle
+        outputs = self.comm.wait(handle)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.samples.append((name, nbytes, time.perf_counter() - now))
+        return _Done(outputs)
+
+    def poll(self, handle):
+        return True if isinstance(handle, _Done) else self.comm.poll(handle)
+
+    def wait(self, handle):
+        return handle.outputs if isinstance(handle, _Done) else self.comm.wait(handle)
+
+
+class _Done:
+    def __init__(self, outputs):
+        self.outputs = outputs
+
+
+class Tuner:
+    """rank="auto" for one optimizer (see the module docstring).
+
+    Args:
+        config: the settings (`max_rank`, `auto_link`, `start_iter`, `rounds`).
+        comm: the optimizer's collectives.
+    """
+
+    def __init__(self, config: PowerSGDConfig, comm):
+        self.config, self.comm = config, comm
+        self.ladder = config.ladder()
+        self.pinned = pinned_link(config)
+        self.origin = 0  # the step the measure phase began at
+        self.start = max(config.start_iter, MEASURE_STEPS)  # the first compressed step
+        self.phase = "measure"
+        self.measurements: planner.Measurements | None = None
+        self.candidates: list[list[int]] = []
+        self.trial_seconds: list[float] = []
+        self.expected_s: float | None = None  # the settled plan's measured step time
+        self.changes = 0  # plans taken so far
+        self._replan_due = False  # the number of workers changed
+        self._next_check = 0
+        self._reset_samples()
+
+    def _reset_samples(self) -> None:
+        self._step_start = self._last_end = None
+        self._recorder: _Recorder | None = None
+        self._clean_s: list[float] = []
+        self._ready: list[dict[str, float]] = []
+        self._timed: list[tuple[str, int, float]] = []
+        self._probe: dict[int, dict[int, list[float]]] = {}
+        self._window: list[float] = []  # step times of the current trial or check
+
+    # --- every step -----------------------------------------------------------------------
+    def begin_step(self, opt) -> None:
+        """At the step's first hook, before its first collective."""
+        self._step_start = time.perf_counter()
+        index = opt.powersgd_step - self.origin
+        if self.phase == "measure" and (index in CLEAN or index in TIMED):
+            self._recorder = _Recorder(self.comm, self._step_start, timed=index in TIMED)
+            opt._reducer.comm = self._recorder
+
+    def end_step(self, opt) -> None:
+        """After the step's communication, before the wrapped optimizer's step."""
+        now = time.perf_counter()
+        seconds = None if self._last_end is None else now - self._last_end
+        index = opt.powersgd_step - 1 - self.origin  # the step just done
+        for factors in opt.compressor.factors:
+            factors.warm = True  # this step averaged its memories
+        if self._recorder is not None:
+            opt._reducer.comm = self.comm
+            if index in CLEAN:
+                self._clean_s.append(seconds if seconds is not None else math.nan)
+                self._ready.append(dict(self._recorder.launched))
+            else:
+                self._timed.extend(self._recorder.samples)
+            self._recorder = None
+        if self.phase == "measure":
+            if index in PROBE:
+                self._probe_work(opt)
+            if index == MEASURE_STEPS - 1:
+                self._plan(opt)
+        elif self.phase == "try":
+            self._try(opt, index, seconds)
+        elif self._replan_due:
+            self._replan_due = False
+            self._replan(opt, force=True)
+        elif self.phase == "settled":
+            self._keep_up(opt, seconds)
+        self._last_end = time.perf_counter()  # the tuner's own time stays out of the next step
+
+    def resized(self, opt) -> None:
+        """The number of workers changed: time the link again and plan again, at the end
+        of this step (a plan changes between steps)."""
+        if self.phase != "measure" and self.measurements is not None:
+            self._replan_due = True
+
+    # --- measure ----------------------------------------------------------------------------
+    def _probe_work(self, opt) -> None:
+        """PowerSGD's local work, per bucket, at every rank of the ladder, on this step's
+        gradients (aggregated: the same shapes and scales), sending nothing."""
+        params = [p for p in opt._params if p.grad is not None]
+        named = [(opt._names[p], p) for p in params]
+        bucket_of = {opt._names[p]: b.index for b in opt._reducer.buckets for p in b.params}
+        grads = {opt._names[p]: p.grad for p in params}
+        scratch = {name: torch.empty_like(g) for name, g in grads.items()}
+        device = params[0].device if params else torch.device("cpu")
+        for rank in self.ladder:
+            probe = PowerSGDCompressor(
+                named, dataclasses.replace(self.config, rank=rank), bucket_of
+            )
+            times = self._probe.setdefault(rank, {})
+            for bucket in opt._reducer.buckets:
+                seconds = _time_bucket(probe, bucket, grads, scratch, self.comm.size, device)
+                if seconds is not None:
+                    times.setdefault(bucket.index, []).append(seconds)
+
+    def _gather(self, opt) -> planner.Measurements:
+        """The ranks' means of what this rank measured."""
+        buckets = opt._reducer.buckets
+        names = [f"b{b.index}.r1" for b in buckets]
+        ready = [statistics.median(r.get(n, math.nan) for r in self._ready) for n in names]
+        timed = [s for _, _, s in self._timed]
+        options = [(r, b.index) for r in self.ladder for b in buckets]
+        # The fastest of the probes of each (rank, bucket): the least disturbed.
+        probes = [self._probe.get(r, {}).get(i, []) for r, i in options]
+        compress = [min((c for c, _ in p), default=math.nan) for p in probes]
+        total = [min((t for _, t in p), default=math.nan) for p in probes]
+        local = [statistics.median(self._clean_s), *ready, *timed, *compress, *total]
+        mean = self.comm.allreduce_sum(torch.tensor(local, dtype=torch.float64), "auto.m")
+        mean = (mean / self.comm.size).tolist()
+        step_s, ready = mean[0], mean[1 : 1 + len(buckets)]
+        timed = mean[1 + len(buckets) : 1 + len(buckets) + len(self._timed)]
+        rest = mean[1 + len(buckets) + len(self._timed) :]
+        compress, total = rest[: len(options)], rest[len(options) :]
+        samples = [(nbytes, s) for (_, nbytes, _), s in zip(self._timed, timed)]
+        link = planner.Link.fit(samples)
+        sizes = _sizes(opt, self.ladder)
+        out = []
+        for j, bucket in enumerate(buckets):
+            found = {}
+            for k, (rank, index) in enumerate(options):
+                if index == bucket.index and rank in sizes[bucket.index] and total[k] == total[k]:
+                    found[rank] = planner.Option(compress[k], total[k], *sizes[bucket.index][rank])
+            out.append(planner.Bucket(ready[j], _plain_bytes(opt, bucket), found))
+        backward = max(ready) if ready else 0.0
+        measured = planner.Measurements(tuple(out), backward, step_s, link, self.config.rounds)
+        return measured if self.pinned is None else measured.with_link(self.pinned)
+
+    def _plan(self, opt) -> None:
+        self.measurements = self._gather(opt)
+        if self.pinned is not None:
+            # The real step times say nothing about a pinned link: the model decides.
+            plan = planner.choose(self.measurements, self.ladder, TOLERANCE)
+            self._settle(opt, self.comm.broadcast_object(plan, _root(opt), "auto.plan"), None)
+            return
+        candidates = planner.candidates(self.measurements, self.ladder, TOLERANCE)
+        self.candidates = self.comm.broadcast_object(candidates, _root(opt), "auto.plans")
+        self._begin_trials(opt)
+
+    # --- try --------------------------------------------------------------------------------
+    def _begin_trials(self, opt, keep: list[int] | None = None) -> None:
+        """Time every candidate; `keep`: the plan to keep unless another is clearly faster."""
+        self.phase, self.trial_seconds, self._window, self._keep = "try", [], [], keep
+        self._next_trial(opt)
+
+    def _next_trial(self, opt) -> None:
+        self._apply(opt, self.candidates[len(self.trial_seconds)])
+        # Its first compressed step is not timed: caches and allocators settle in it.
+        self._timed_after = max(opt.powersgd_step, self.start) + 1
+
+    def _try(self, opt, index, seconds) -> None:
+        if opt.powersgd_step <= self._timed_after:
+            return  # still plain (start_iter), or the candidate's first step
+        self._window.append(seconds)
+        if len(self._window) < TRIAL_STEPS - 1:
+            return
+        self.trial_seconds.append(statistics.median(self._window))
+        self._window = []
+        if len(self.trial_seconds) < len(self.candidates):
+            self._next_trial(opt)
+            return
+        local = torch.tensor(self.trial_seconds, dtype=torch.float64)
+        seconds = (self.comm.allreduce_sum(local, "auto.t") / self.comm.size).tolist()
+        best = planner.pick_measured(self.candidates, seconds, TOLERANCE)
+        if self._keep is not None and self._keep in self.candidates:
+            kept = seconds[self.candidates.index(self._keep)]
+            if seconds[self.candidates.index(best)] > kept * (1 - HYSTERESIS):
+                best = self._keep  # not clearly faster: no change
+        self._settle(opt, best, seconds[self.candidates.index(best)])
+
+    def _settle(self, opt, plan, seconds: float | None) -> None:
+        """Take `plan` (its measured step time: `seconds`; None: the model's)."""
+        self._apply(opt, plan)
+        self.expected_s = planner.predict(self.measurements, plan) if seconds is None else seconds
+        self.phase, self._window = "settled", []
+        self._next_check = opt.powersgd_step + CHECK_EVERY
+
+    # --- keep up ----------------------------------------------------------------------------
+    def _keep_up(self, opt, seconds) -> None:
+        if seconds is not None:
+            self._window = [*self._window[-19:], seconds]
+        if opt.powersgd_step < self._next_check:
+            return
+        self._next_check = opt.powersgd_step + CHECK_EVERY
+        plan = self._current(opt)
+        failing = _failing_buckets(opt)
+        if failing:
+            budget = planner.predict(self.measurements, plan) * (1 + TOLERANCE)
+            raised = planner.raise_failing(self.measurements, plan, failing, budget)
+            if raised != plan:
+                self._apply(opt, raised)
+                return
+        if self.pinned is not None or not self._window:
+            return
+        ratio = statistics.median(self._window) / self.expected_s
+        mean = self.comm.allreduce_sum(torch.tensor([ratio], dtype=torch.float64), "auto.drift")
+        ratio = float(mean[0]) / self.comm.size
+        if abs(math.log(ratio)) > math.log(1 + DRIFT):
+            self._replan(opt)
+
+    def _replan(self, opt, force: bool = False) -> None:
+        """Time the link again (a few all-reduces), and try the plans the model prefers now."""
+        samples = _time_link(self.comm, opt.powersgd_step)
+        link = self.pinned or planner.Link.fit(samples)
+        self.measurements = self.measurements.with_link(link)
+        plans = planner.candidates(self.measurements, self.ladder, TOLERANCE)
+        current = self._current(opt)
+        if not force and plans[0] == current:
+            return
+        plans = [current, *[p for p in plans if p != current]]
+        self.candidates = self.comm.broadcast_object(plans, _root(opt), "auto.replan")
+        self._begin_trials(opt, keep=None if force else current)
+
+    # --- apply ------------------------------------------------------------------------------
+    def _current(self, opt) -> list[int]:
+        return [opt.compressor.ranks[b.index] for b in opt._reducer.buckets]
+
+    def _apply(self, opt, plan) -> None:
+        """Send each bucket at its rank in `plan` from the next step on; nothing is lost."""
+        before = self._current(opt)
+        if list(plan) == before:
+            return
+        ranks = {b.index: r for b, r in zip(opt._reducer.buckets, plan)}
+        residuals = opt.compressor.set_ranks(ranks)
+        opt._reducer.refresh()
+        if residuals:
+            self._send_residuals(opt, residuals)
+        opt._rebuild_monitor()
+        self.changes += 1
+        if self.comm.set_rank == 0:
+            logger.info(
+                "PowerSGD auto plan at step %d (%s): %s; expected %.1f ms a step, plain %.1f ms",
+                opt.powersgd_step, "trying" if self.phase == "try" else "taken", _describe(plan),
+                1e3 * planner.predict(self.measurements, plan),
+                1e3 * planner.predict(self.measurements, planner.uniform(self.measurements, 0)),
+            )  # fmt: skip
+
+    def _send_residuals(self, opt, residuals: dict[str, torch.Tensor]) -> None:
+        """All-reduce what buckets that go plain held back, into this step's gradients."""
+        params = {opt._names[p]: p for p in opt._params}
+        names = sorted(residuals)
+        tensors = [residuals[n] for n in names]
+        handle = self.comm.allreduce_async(tensors, f"auto.residuals.{opt.powersgd_step}")
+        for name, avg in zip(names, self.comm.wait(handle)):
+            p = params[name]
+            if p.grad is not None:
+                p.grad.add_(avg.to(p.grad.dtype).view_as(p.grad))
+
+    # --- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        m = self.measurements
+        return {
+            "phase": self.phase if self.phase == "settled" else "measure",
+            "start": self.start,
+            "expected_s": self.expected_s,
+            "changes": self.changes,
+            "next_check": self._next_check,
+            "measurements": None if m is None else _measurements_state(m),
+        }
+
+    def load_state_dict(self, state, opt) -> None:
+        """Resume a settled plan as it was (the compressor's ranks hold it); else measure
+        again from this step."""
+        self._reset_samples()
+        if not state or state.get("phase") != "settled" or not state.get("measurements"):
+            self.phase, self.origin = "measure", opt.powersgd_step
+            self.start = max(self.config.start_iter, opt.powersgd_step + MEASURE_STEPS)
+            return
+        self.phase, self.start = "settled", state["start"]
+        self.expected_s, self.changes = state["expected_s"], state["changes"]
+        self.measurements = _measurements_from(state["measurements"], self.config.rounds)
+        if self.pinned is not None:
+            self.measurements = self.measurements.with_link(self.pinned)
+        self._next_check = state["next_check"]
+
+    def plan(self, opt) -> list[dict]:
+        return _plan_rows(opt, self._bucket_figures(opt))
+
+    def _bucket_figures(self, opt) -> dict[int, dict]:
+        m = self.measurements
+        if m is None:
+            return {}
+        plan = self._current(opt)
+        expected = planner.predict(m, plan)
+        out = {}
+        for j, (bucket, rank) in enumerate(zip(m.buckets, plan)):
+            option = bucket.options.get(rank)
+            as_plain = planner.predict(m, [*plan[:j], planner.PLAIN, *plan[j + 1 :]])
+            out[opt._reducer.buckets[j].index] = {
+                "bucket_ms": None if option is None else 1e3 * option.work_s,
+                "saved_ms": 1e3 * (as_plain - expected),
+            }
+        return out
+
+
+def _time_bucket(probe, bucket, grads, scratch, workers, device):
+    """(compress seconds, all local seconds) of one bucket's PowerSGD step on `probe`."""
+    factors = probe.of(bucket.index)
+    names = [name for f in factors for name in f.names()]
+    if not names:
+        return None
+    schedule = probe.schedule
+    schedule.workers, schedule.phase, schedule.warm = workers, 0, True
+    _synchronize(device)
+    start = time.perf_counter()
+    for f in factors:
+        schedule.begin_step(f)
+    for name in names:
+        probe.compress(name, grads[name])
+    _synchronize(device)
+    compressed = time.perf_counter()
+    sent = probe.send_buffers(bucket.index)  # one worker: the "sum" is the buffer itself
+    if schedule.rounds == 2:
+        sent = probe.project(sent, bucket.index)
+        probe.update_error(bucket.index)
+    probe.decompress(sent, out={n: scratch[n] for n in names}, bucket=bucket.index)
+    _synchronize(device)
+    return compressed - start, time.perf_counter() - start
+
+
+def _time_link(comm, step: int) -> list[tuple[int, float]]:
+    """(bytes, seconds) of a few all-reduces of this job's link, waited for at once."""
+    samples = []
+    for i, numel in enumerate((1, 64 * 1024, 1024 * 1024)):
+        tensor = torch.zeros(numel)
+        start = time.perf_counter()
+        comm.wait(comm.allreduce_async([tensor], f"auto.link.{step}.{i}"))
+        samples.append((numel * 4, time.perf_counter() - start))
+    return samples
+
+
+def _sizes(opt, ladder) -> dict[int, dict[int, tuple[float, float]]]:
+    """bucket -> rank -> (round-1 bytes, round-2 bytes) of PowerSGD at that rank."""
+    config = opt.config
+    out: dict[int, dict[int, tuple[float, float]]] = {}
+    for bucket in opt._reducer.buckets:
+        out[bucket.index] = {}
+        for rank in ladder:
+            p_bytes = q_bytes = plain = 0.0
+            for p in bucket.params:
+                if config.compresses(p.shape, rank):
+                    n, m = p.shape[0], p.numel() // p.shape[0]
+                    r = config.matrix_rank(n, m, rank)
+                    size = torch.finfo(config.comm_dtype or _compute(p.dtype)).bits // 8
+                    p_bytes, q_bytes = p_bytes + r * n * size, q_bytes + r * m * size
+                else:
+                    plain += p.numel() * _wire_size(opt, p, config.comm_dtype)
+            if not p_bytes:
+                continue
+            if config.rounds == 2:
+                out[bucket.index][rank] = (p_bytes + plain, q_bytes)
+            else:
+                out[bucket.index][rank] = ((p_bytes + q_bytes) / 2 + plain, 0.0)
+    return out
+
+
+def _compute(dtype):
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _wire_size(opt, p, comm_dtype) -> int:
+    """Bytes per element of p's gradient on the wire, sent as it is."""
+    if comm_dtype is not None:
+        return torch.finfo(comm_dtype).bits // 8
+    tensor, _ = opt._comm.to_wire(torch.zeros(1, dtype=p.dtype), None)
+    return tensor.element_size()
+
+
+def _plain_bytes(opt, bucket) -> float:
+    return float(sum(p.numel() * _wire_size(opt, p, None) for p in bucket.params))
+
+
+def _root(opt) -> int:
+    return first_rank(opt.process_set)
+
+
+def _failing_buckets(opt) -> list[int]:
+    """Positions of the buckets whose compressed layers' mean relative error >= FAILING."""
+    if opt._monitor is None:
+        return []
+    errors: dict[int, list[float]] = {}
+    bucket_of = {opt._names[p]: j for j, b in enumerate(opt._reducer.buckets) for p in b.params}
+    for layer in opt._monitor.layers():
+        if layer["avg_relative_error"] is not None:
+            errors.setdefault(bucket_of[layer["name"]], []).append(layer["avg_relative_error"])
+    return sorted(j for j, e in errors.items() if statistics.mean(e) >= FAILING)
+
+
+def _describe(plan) -> str:
+    return ", ".join(f"b{j} " + (f"r{r}" if r else "plain") for j, r in enumerate(plan))
+
+
+def _plan_rows(opt, figures: dict[int, dict]) -> list[dict]:
+    """compression_stats()["plan"]: per parameter, how it travels."""
+    rows = []
+    for bucket in opt._reducer.buckets:
+        extra = figures.get(bucket.index, {"bucket_ms": None, "saved_ms": None})
+        for p in bucket.params:
+            name = opt._names[p]
+            compressed = opt.compressor.is_compressed(name)
+            rank = opt.compressor.layer_info(name)["rank"] if compressed else 0
+            rows.append(
+                {"name": name, "bucket": bucket.index,
+                 "method": "powersgd" if compressed else "plain", "rank": rank, **extra}
+            )  # fmt: skip
+    return rows
+
+
+def _measurements_state(m: planner.Measurements) -> dict:
+    return {
+        "buckets": [
+            [b.ready_s, b.plain_bytes, [[r, *dataclasses.astuple(o)] for r, o in b.options.items()]]
+            for b in m.buckets
+        ],
+        "backward_s": m.backward_s,
+        "step_s": m.step_s,
+        "rest_s": m.rest_s,
+        "link": [m.link.latency_s, m.link.bytes_per_s],
+    }
+
+
+def _measurements_from(state: dict, rounds: int) -> planner.Measurements:
+    buckets = tuple(
+        planner.Bucket(ready, plain, {int(r): planner.Option(*o) for r, *o in options})
+        for ready, plain, options in state["buckets"]
+    )
+    link = planner.Link(*state["link"])
+    return planner.Measurements(
+        buckets, state["backward_s"], state["step_s"], link, rounds, state["rest_s"]
+    )

@@ -1,0 +1,226 @@
+"""rank="auto" on every rank: one plan everywhere, nothing lost when it changes, resumes.
+
+The planner's choices from given measurements are tested in tests/unit/test_planner.py.
+"""
+
+import os
+
+import horovod.torch as hvd
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_same_on_every_rank, batch, local_gradients
+from torch import nn
+
+import horovod_powersgd as hps
+from horovod_powersgd import reducer as reducer_module
+from horovod_powersgd import tuner as tuner_module
+
+
+@pytest.fixture(autouse=True)
+def small_buckets(monkeypatch):
+    """Buckets of 64 KB: several of them in a small model, each planned apart."""
+    monkeypatch.setattr(reducer_module, "BUCKET_BYTES", 64 * 1024)
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128),
+        nn.ReLU(), nn.Linear(128, 10),
+    )  # fmt: skip
+
+
+def auto(model, lr=0.05, momentum=0.9, **kwargs):
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    return hps.DistributedOptimizer(
+        opt, named_parameters=model.named_parameters(), rank="auto", **kwargs
+    )
+
+
+def train(model, opt, steps, first_step=0):
+    for step in range(first_step, first_step + steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def plan_of(opt):
+    return [opt.compressor.ranks[b.index] for b in opt._reducer.buckets]
+
+
+SETTLED = tuner_module.MEASURE_STEPS + 4 * tuner_module.TRIAL_STEPS  # at the latest
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+@pytest.mark.parametrize("link", [None, "20mbit"], ids=["measured", "pinned"])
+def test_every_rank_takes_the_same_plan_and_stays_bitwise_identical(rounds, link):
+    model = make_model()
+    opt = auto(model, rounds=rounds, auto_link=link)
+    assert len(opt._reducer.buckets) >= 3
+    train(model, opt, steps=SETTLED + 2)
+    assert opt._tuner.phase == "settled"
+    assert_same_on_every_rank(torch.tensor(plan_of(opt), dtype=torch.float32), "plan")
+    for n, p in model.named_parameters():
+        assert torch.isfinite(p).all(), n
+        assert_same_on_every_rank(p, n)
+    plan = opt.compression_stats()["plan"]
+    assert {row["name"] for row in plan} == {n for n, _ in model.named_parameters()}
+    for row in plan:
+        assert (row["method"] == "powersgd") == opt.compressor.is_compressed(row["name"])
+        assert row["rank"] == 0 or row["method"] == "powersgd"
+    if link is not None:
+        # 20 Mbit/s: compressing pays, and the model decides (no trials on a pinned link).
+        assert any(plan_of(opt)) and opt.compression_stats()["ratio"] > 1
+
+
+def test_the_first_steps_are_plain_and_the_plan_is_logged(caplog):
+    model = make_model()
+    opt = auto(model, auto_link="20mbit")
+    with caplog.at_level("INFO", logger="horovod_powersgd"):
+        train(model, opt, steps=tuner_module.MEASURE_STEPS)
+        assert opt.compression_stats()["ratio"] == 1.0  # measuring: plain all-reduces
+        train(model, opt, steps=2, first_step=tuner_module.MEASURE_STEPS)
+    assert opt.compression_stats()["ratio"] > 1
+    lines = [r.getMessage() for r in caplog.records if "auto plan" in r.getMessage()]
+    if hvd.rank() == 0:
+        assert len(lines) == 1 and "taken" in lines[0] and "expected" in lines[0], lines
+    else:
+        assert not lines  # rank 0 logs
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_changing_a_buckets_rank_or_method_loses_nothing(rounds):
+    # SGD at lr 1 without momentum moves the weights by minus what was delivered.
+    # Over any number of steps, what was delivered plus what the error buffers
+    # hold (the ranks' mean) is what plain averaging would have delivered.
+    model = make_model()
+    opt = auto(model, lr=1.0, momentum=0.0, rounds=rounds, auto_link="20mbit")
+    params = dict(model.named_parameters())
+    start = {n: p.detach().clone() for n, p in params.items()}
+    averaged = {n: torch.zeros_like(p) for n, p in params.items()}
+    buckets = len(opt._reducer.buckets)
+    # Forced plans after the model's (at step 8): ranks change, a bucket goes
+    # plain and back, everything plain, then rank 1 everywhere.
+    forced = {11: [4] * buckets, 13: [1] + [0] * (buckets - 1), 15: [0] * buckets,
+              17: [2] * buckets, 19: [1] * buckets}  # fmt: skip
+    for step in range(22):
+        x, y = batch(step)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        for n, g in local_gradients(model, loss).items():
+            averaged[n] += hvd.allreduce(g, name=f"avg.{step}.{n}")
+        loss.backward()
+        opt.synchronize()
+        if step in forced:
+            opt._tuner._apply(opt, forced[step])  # where the tuner changes plans
+        with opt.skip_synchronize():
+            opt.step()
+        errors = opt.compressor.state_dict()["error_buffers"]
+        for n, p in params.items():
+            held = torch.zeros_like(p)
+            if n in errors:
+                held = hvd.allreduce(errors[n].reshape(p.shape), name=f"err.{step}.{n}")
+            delivered = start[n] - p.detach()
+            torch.testing.assert_close(delivered + held, averaged[n], rtol=1e-4, atol=1e-5)
+    assert plan_of(opt) == [1] * buckets
+
+
+def test_a_resume_goes_on_with_the_plan_bit_for_bit(shared_dir):
+    path = os.path.join(shared_dir, "auto.ckpt")
+    model = make_model()
+    opt = auto(model, auto_link="20mbit")
+    train(model, opt, steps=12)
+    hps.save_checkpoint(path, model, opt)
+    train(model, opt, steps=6, first_step=12)
+
+    resumed = make_model(seed=5)
+    resumed_opt = auto(resumed, auto_link="20mbit")
+    hps.load_checkpoint(path, resumed, resumed_opt)
+    assert resumed_opt._tuner.phase == "settled"
+    assert plan_of(resumed_opt) != [0] * len(plan_of(resumed_opt))
+    train(resumed, resumed_opt, steps=6, first_step=12)
+    assert plan_of(resumed_opt) == plan_of(opt)
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b), "the resumed run differs from the uninterrupted one"
+
+
+def test_horovods_rank0_resume_gives_every_rank_the_plan():
+    # Rank 0 alone loads a settled state; the first step makes everyone agree.
+    # (SGD without momentum: no optimizer state that only rank 0 would have.)
+    model = make_model()
+    opt = auto(model, momentum=0.0, auto_link="20mbit")
+    train(model, opt, steps=10)
+    saved = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    resumed = make_model(seed=5)
+    resumed_opt = auto(resumed, momentum=0.0, auto_link="20mbit")
+    if hvd.rank() == 0:
+        resumed.load_state_dict(saved["model"])
+        resumed_opt.load_state_dict(saved["optimizer"])
+    hvd.broadcast_parameters(resumed.state_dict(), root_rank=0)
+    with pytest.warns(UserWarning, match="took the PowerSGD state of rank 0"):
+        train(resumed, resumed_opt, steps=3, first_step=10)
+    assert resumed_opt._tuner.phase == "settled"
+    assert_same_on_every_rank(torch.tensor(plan_of(resumed_opt), dtype=torch.float32), "plan")
+    assert plan_of(resumed_opt) == plan_of(opt)
+    for n, p in resumed.named_parameters():
+        assert_same_on_every_rank(p, n)
+
+
+def test_at_full_rank_auto_delivers_the_plain_average():
+    # Matrices of full rank at 8 (8 x 8, 4 x 8): once a plan sends them at 8 and the
+    # first such step has delivered what lower ranks held back, every step
+    # delivers exactly the ranks' average gradient, as plain Horovod does.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 4, bias=False))
+    opt = auto(model, momentum=0.0, max_rank=8, min_compression_rate=0, auto_link="1mbit")
+    for step in range(16):
+        x, _ = batch(step)
+        opt.zero_grad()
+        loss = model(x[:, :8]).pow(2).mean()
+        average = {
+            n: hvd.allreduce(g, name=f"full.{step}.{n}")
+            for n, g in local_gradients(model, loss).items()
+        }
+        loss.backward()
+        opt.synchronize()
+        if step == 10:
+            opt._tuner._apply(opt, [8] * len(opt._reducer.buckets))
+        if step >= 12:
+            assert all(opt.compressor.is_compressed(n) for n in average)
+            for n, p in model.named_parameters():
+                torch.testing.assert_close(p.grad, average[n], rtol=1e-5, atol=1e-6)
+        with opt.skip_synchronize():
+            opt.step()
+
+
+def test_a_non_finite_step_under_auto_leaves_the_state_finite():
+    model = make_model()
+    opt = auto(model, auto_link="20mbit")
+    train(model, opt, steps=10)
+    x, y = batch(10)
+    opt.zero_grad()
+    (F.cross_entropy(model(x), y) * float("inf")).backward()
+    opt.synchronize()  # and no step(), as GradScaler skips it
+    state = opt.compressor.state_dict()
+    for kind in ("error_buffers", "q_memory"):
+        assert all(torch.isfinite(t).all() for t in state[kind].values()), kind
+    opt.zero_grad()
+    train(model, opt, steps=2, first_step=11)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_bad_auto_settings_fail_at_once_on_every_rank():
+    model = make_model()
+    for kwargs, match in (
+        ({"max_rank": 0}, "max_rank"),
+        ({"auto_link": "fast"}, "a link must read like"),
+        ({"rank": "automatic"}, "rank must be"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            hps.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                named_parameters=model.named_parameters(),
+                **{"rank": "auto", **kwargs},
+            )
