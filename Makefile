@@ -20,7 +20,7 @@ MPIRUN = mpirun --allow-run-as-root --oversubscribe -np $(NP) --bind-to none --m
 # test (per-test limit in pyproject.toml), this cap ends the whole launcher.
 RUN_CAP ?= timeout --signal=KILL 1200
 
-.PHONY: setup test test-unit test-parallel test-mpi test-gloo test-mpi4py test-launch demo bench bench-overheads lint convergence docker-check long-run clean slurm-check
+.PHONY: setup test test-unit test-parallel test-mpi test-gloo test-mpi4py test-launch demo bench bench-overheads bench-auto lint convergence docker-check long-run clean slurm-check
 
 setup:
 	bash scripts/bootstrap.sh
@@ -148,6 +148,28 @@ bench-overheads: setup
 	$(PY) -m horovod_powersgd.bench $(BENCH_COMMON) --from-json build/bench-overheads.json \
 		build/bench-overheads-lstm.json --command-line "make bench-overheads" \
 		--markdown docs/benchmarks-overheads.md
+
+# rank="auto" beside every fixed configuration (plain, fp16, PowerSGD at ranks 1-16 in both
+# schedules) at four links, on ResNet-18, the LSTM and the small GPT -> docs/benchmarks-auto.md
+# with auto's targets. Plain Horovod's LSTM at 50 Mbit/s, fp32 and fp16, is left out (over 30 s a step).
+# Hours on 2 cores; nothing else may run meanwhile.
+BENCH_AUTO_CONFIGS := local,horovod,horovod-fp16,powersgd,powersgd-1round:1,powersgd-1round:2
+BENCH_AUTO_CONFIGS := $(BENCH_AUTO_CONFIGS),powersgd-1round:4,powersgd-1round:8,powersgd-1round:16
+BENCH_AUTO_CONFIGS := $(BENCH_AUTO_CONFIGS),powersgd-auto,powersgd-1round-auto
+BENCH_AUTO_COMMON = -np 2 --warmup-steps 3 --steps 10 --repeat $(BENCH_REPEAT) --ranks 1,2,4,8,16
+bench-auto: setup
+	mkdir -p build
+	for model in resnet18 lstm gpt; do \
+		$(PY) -m horovod_powersgd.bench $(BENCH_AUTO_COMMON) --models $$model \
+			--bandwidth unlimited,1gbit,200mbit --configs $(BENCH_AUTO_CONFIGS) \
+			--json build/bench-auto-$$model.json; \
+		configs=$(BENCH_AUTO_CONFIGS); \
+		if [ $$model = lstm ]; then configs=$${configs/horovod,horovod-fp16,/}; fi; \
+		$(PY) -m horovod_powersgd.bench $(BENCH_AUTO_COMMON) --models $$model \
+			--bandwidth 50mbit --configs $$configs --json build/bench-auto-$$model-50.json; \
+	done
+	$(PY) -m horovod_powersgd.bench $(BENCH_AUTO_COMMON) --from-json build/bench-auto-*.json \
+		--command-line "make bench-auto" --markdown docs/benchmarks-auto.md
 
 # 2000 steps under mpirun: RSS over time and NaN/Inf checks -> docs/long_run.md
 # (a few minutes on 2 cores; not part of `make test`).

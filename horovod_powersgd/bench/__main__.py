@@ -268,7 +268,18 @@ def pool_runs(
         bytes_per_step=max(r["bytes_per_step"] for r in last),
         plain_bytes_per_step=0.0 if config == "local" else plain_bytes,
         peak_rss_mb=[r["peak_rss_mb"] for run in runs for r in run],
+        detail=_auto_detail(last),
     )
+
+
+def _auto_detail(reports) -> str:
+    """rank="auto": each run's plan (bucket by bucket, 0 = plain) and the link it measured."""
+    report = reports[0]
+    if "plan" not in report:
+        return ""
+    link = report["link"]
+    plan = " ".join("p" if r == 0 else str(r) for r in report["plan"])
+    return f"plan [{plan}], link {link['mbit_s']:.0f} Mbit/s {link['latency_ms']:.2f} ms"
 
 
 def run_order(plan: Sequence, rounds: int) -> list:

@@ -369,6 +369,8 @@ def write_markdown(
     ]
     for (model, np_, bw), recs in group(records).items():
         out += [f"## {model}, {np_} workers, bandwidth {bw}", "", markdown_table(recs), ""]
+        details = [f"- {label(rec)}: {rec.detail}" for rec in recs if rec.detail]
+        out += [*details, ""] if details else []
     if plot is not None:
         out += [f"![median step time]({os.path.relpath(plot, path.parent)})", ""]
     rows = target_rows(records)

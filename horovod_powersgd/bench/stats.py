@@ -20,6 +20,7 @@ RECORD_KEYS = (
     "bytes_per_step",
     "compression_ratio",
     "peak_rss_mb",
+    "detail",
 )
 
 
@@ -74,6 +75,7 @@ class Record:
     bytes_per_step: float  # the same in bytes, at the dtype sent
     compression_ratio: float | None  # plain fp32 all-reduce bytes / bytes_per_step
     peak_rss_mb: float  # largest peak resident set size over the workers
+    detail: str = ""  # rank="auto": the plan it settled on and the link it measured
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -92,6 +94,7 @@ def make_record(
     bytes_per_step: float,
     plain_bytes_per_step: float,
     peak_rss_mb: Sequence[float],
+    detail: str = "",
 ) -> Record:
     """Fold the per-rank reports of one configuration into a Record.
 
@@ -115,4 +118,5 @@ def make_record(
         bytes_per_step=float(bytes_per_step),
         compression_ratio=ratio,
         peak_rss_mb=max(peak_rss_mb),
+        detail=detail,
     )
