@@ -293,14 +293,25 @@ class TensorBoardLog:
 
 
 def epoch_communication(before: dict, after: dict) -> dict:
-    """Bytes and ratio of the steps between two ``totals()``."""
+    """Bytes and ratio of the steps between two ``totals()``; with rank="auto" the plan."""
     sent = after["elements_sent"] - before["elements_sent"]
     uncompressed = after["elements_uncompressed"] - before["elements_uncompressed"]
-    return {
+    comm = {
         "steps": after["steps"] - before["steps"],
         "bytes_sent": int(after["bytes_sent"] - before["bytes_sent"]),
         "ratio": uncompressed / sent if sent else 1.0,
     }
+    if "plan" in after:  # each bucket's rank at the epoch's end (0: sent as it is)
+        ranks: dict[int, int] = {}
+        for row in after["plan"]:
+            ranks[row["bucket"]] = max(ranks.get(row["bucket"], 0), row["rank"])
+        comm["plan"] = [ranks[b] for b in sorted(ranks)]
+    return comm
+
+
+def plan_entry(comm: dict) -> dict:
+    """The epoch record's ``plan`` where rank="auto" chose one (nothing otherwise)."""
+    return {"plan": comm["plan"]} if "plan" in comm else {}
 
 
 def sum_across_ranks(*values, name: str) -> list:
@@ -464,6 +475,7 @@ def lm_epoch_record(epoch, comm, train_loss, valid_ppl, test_ppl, lr, train_time
         "lr": lr,
         "train_time_s": train_time,
         "wall_time_s": wall,
+        **plan_entry(comm),
     }
 
 

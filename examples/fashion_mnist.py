@@ -269,6 +269,7 @@ def main(argv=None) -> dict:
                 "ratio": comm["ratio"],
                 "train_time_s": train_time,
                 "wall_time_s": wall,
+                **common.plan_entry(comm),
             }
         )
         common.log_epoch(

@@ -1,6 +1,7 @@
 """Convergence campaign: plain Horovod vs PowerSGD, both schedules, several seeds.
 
-    python scripts/convergence.py                          # every part (many hours)
+    python scripts/convergence.py                          # the four parts (many hours)
+    python scripts/convergence.py --parts auto --auto-link 38mbit,1.5ms  # rank="auto"
     python scripts/convergence.py --parts transformer      # the transformer (about 11 hours)
     python scripts/convergence.py --parts fashion,warmup   # Fashion-MNIST only
     python scripts/convergence.py --deadline 09:40         # start no run after 09:40 UTC
@@ -35,8 +36,13 @@ from convergence_runs import (
 VENV_BIN = os.path.join(ROOT, ".venv", "bin")
 FASHION_STEPS_PER_EPOCH = 469  # 60,000 images / (2 workers x 64)
 TRANSFORMER_RANKS = (4, 16)
+# The "auto" part plans for the link that make bench-auto measured at its 50 Mbit/s cap
+# (docs/benchmarks-auto.md: each auto record's link).
+AUTO_LINK = "50mbit"
 CHECKPOINTS = os.path.join("runs", "convergence")  # from ROOT; ignored by git (tens of MB)
-PARTS = ("fashion", "warmup", "lstm", "transformer")
+PARTS = ("fashion", "warmup", "lstm", "transformer", "auto")
+DEFAULT_PARTS = PARTS[:4]  # "auto" (rank="auto" with a slow link's plan) runs when asked
+LSTM = "lstm_language_model"
 
 
 def parse_args(argv=None):
@@ -46,7 +52,9 @@ def parse_args(argv=None):
     )
     p.add_argument("--np", type=int, default=2, help="workers per run")
     p.add_argument(
-        "--parts", default=",".join(PARTS), help="any of " + ", ".join(PARTS) + ", comma-separated"
+        "--parts",
+        default=",".join(DEFAULT_PARTS),
+        help="any of " + ", ".join(PARTS) + ", comma-separated",
     )
     p.add_argument("--seeds", default="42,43,44", help="Fashion-MNIST seeds")
     p.add_argument("--lm-seeds", default="42,43", help="LSTM seeds")
@@ -71,6 +79,12 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--lm-eval-tokens", type=int, default=0, help="LSTM, transformer eval tokens; 0 = all"
+    )
+    p.add_argument(
+        "--auto-link",
+        default=AUTO_LINK,
+        help='the "auto" part: the link rank="auto" plans for (its choices on a slow link, '
+        "trained here without the cap)",
     )
     p.add_argument("--extra", default="", help="more flags for every run ('--max-steps 3')")
     p.add_argument("--deadline", default=None, help="HH:MM UTC: start no run after this time")
@@ -103,6 +117,7 @@ def run_plan(args):
     warmups = [Config("fashion_mnist", 2, start_iter=s) for s in (100, FASHION_STEPS_PER_EPOCH)]
     lstm = [Config("lstm_language_model", 0)]
     lstm += [Config("lstm_language_model", 4, rounds=r) for r in (2, 1)]
+    auto = [Config(e, "auto", link=args.auto_link) for e in ("fashion_mnist", LSTM)]
     transformer = [Config("transformer_lm", 0)]
     transformer += [
         Config("transformer_lm", r, start_iter=TRANSFORMER_WARMUP) for r in TRANSFORMER_RANKS
@@ -122,12 +137,16 @@ def run_plan(args):
         order += [(c, s) for s in lm_seeds for c in lstm]
     if "transformer" in parts:
         order += [(c, s) for s in tf_seeds for c in transformer]
+    if "auto" in parts:
+        order += [(auto[0], s) for s in seeds] + [(auto[1], s) for s in lm_seeds]
 
     plan = []
     for config, seed in order:
         name = f"{config.key}-s{seed}"
         argv = ["--seed", str(seed), "--no-progress", "--powersgd-rank", str(config.rank)]
         argv += ["--rounds", str(config.rounds), "--start-iter", str(config.start_iter)]
+        if config.link:
+            argv += ["--powersgd-link", config.link]
         if config.example == "fashion_mnist":
             argv += ["--epochs", str(args.cnn_epochs)]
         else:

@@ -58,28 +58,38 @@ class Config:
     """One configuration; its runs differ only by seed."""
 
     example: str
-    rank: int  # 0 = plain Horovod
+    rank: int | str  # 0 = plain Horovod; "auto" = chosen per bucket
     rounds: int = 2
     start_iter: int = 0
+    link: str = ""  # rank="auto": the link it plans for (--powersgd-link)
 
     @property
     def key(self) -> str:
         if self.rank == 0:
             return f"{self.example}-plain"
+        if self.rank == "auto":
+            return f"{self.example}-auto-{self.link}-rounds{self.rounds}-si{self.start_iter}"
         return f"{self.example}-r{self.rank}-rounds{self.rounds}-si{self.start_iter}"
 
     @property
     def label(self) -> str:
         if self.rank == 0:
             return "plain Horovod"
+        if self.rank == "auto":
+            return f"auto ({self.link} link's plan), rounds={self.rounds}"
         text = f"rank {self.rank}, rounds={self.rounds}"
         return text + (f", start_iter {self.start_iter}" if self.start_iter else "")
+
+    @property
+    def order(self) -> float:
+        """Where the report lists it: plain, then by rank, auto last."""
+        return math.inf if self.rank == "auto" else self.rank
 
 
 def config_of(records):
     """The configuration of `records`, runs of one configuration."""
     c = records[0]["config"]
-    return Config(c["example"], c["rank"], c["rounds"], c["start_iter"])
+    return Config(c["example"], c["rank"], c["rounds"], c["start_iter"], c.get("link", ""))
 
 
 def metric_scale(example):

@@ -51,7 +51,7 @@ def _epoch_seconds_text(records):
 
 def _ordered(groups):
     """Configuration keys in report order: plain first, then by rank, then by key."""
-    return sorted(groups, key=lambda k: (config_of(groups[k]).rank, k))
+    return sorted(groups, key=lambda k: (config_of(groups[k]).order, k))
 
 
 def _delta(example, value, plain):

@@ -368,4 +368,7 @@ def test_every_example_trains_with_rank_auto_in_both_schedules_and_fp16(
         assert [e["steps"] for e in record["epochs"]] == [3, 3, 3, 3]
         assert all(math.isfinite(e["train_loss"]) for e in record["epochs"])
         assert record["epochs"][-1]["ratio"] > 1, "auto compressed nothing on a 10 Mbit/s link"
+        # Each epoch records the buckets' ranks: plain while measuring, then the plan.
+        plans = [e["plan"] for e in record["epochs"]]
+        assert not any(plans[0]) and any(plans[-1]), plans
         assert_same_parameters_on_every_rank(record["model"])
