@@ -20,7 +20,7 @@ MPIRUN := mpirun --allow-run-as-root --oversubscribe -np $(NP) --bind-to none --
 # test (per-test limit in pyproject.toml), this cap ends the whole launcher.
 RUN_CAP ?= timeout --signal=KILL 1200
 
-.PHONY: setup test test-unit test-parallel test-mpi test-gloo test-launch demo bench bench-overheads lint convergence docker-check long-run clean slurm-check
+.PHONY: setup test test-unit test-parallel test-mpi test-gloo test-launch demo bench bench-overheads lint convergence docker-check long-run clean slurm-check gpu-bundle gpu-check
 
 setup:
 	bash scripts/bootstrap.sh
@@ -130,6 +130,16 @@ bench-overheads: setup
 	$(PY) -m horovod_powersgd.bench $(BENCH_COMMON) --from-json build/bench-overheads.json \
 		build/bench-overheads-lstm.json --command-line "make bench-overheads" \
 		--markdown docs/benchmarks-overheads.md
+
+# The GPU check (issue 39, docs/gpu.md). gpu-bundle fetches what the device machine lacks
+# (Horovod's sdist, the wheels Horovod needs for Python 3.12 there) into build/gpu-bundle,
+# which the device run carries; gpu-check runs scripts/gpu_check.sh here: tiny models on the
+# CPU, report in build/gpu-check (a few minutes on 2 cores; tests/launch runs it too).
+gpu-bundle:
+	bash scripts/gpu_bundle.sh
+
+gpu-check: setup
+	$(RUN_CAP) bash scripts/gpu_check.sh
 
 # 2000 steps under mpirun: RSS over time and NaN/Inf checks -> docs/long_run.md
 # (a few minutes on 2 cores; not part of `make test`).
