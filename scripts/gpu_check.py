@@ -38,6 +38,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,6 +76,12 @@ class Job:
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own group: a timeout kills the children too
         )
+        self.ended = None  # when it ended, seen by a thread: jobs are waited for in turn
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self):
+        self.proc.wait()
+        self.ended = time.monotonic()
 
     def poll(self) -> bool:
         """Whether it has ended (and then its result is set)."""
@@ -98,7 +105,7 @@ class Job:
         self.result = {
             "status": status,
             "rc": self.proc.returncode,
-            "seconds": round(time.monotonic() - self.started, 1),
+            "seconds": round((self.ended or time.monotonic()) - self.started, 1),
             "log_tail": _tail(self.log, 1500) if status != "ok" else "",
         }
 
@@ -302,6 +309,8 @@ class Kit:
     def job(self, phase, name, cmd, env=None) -> Job:
         if phase in self.args.fail.split(","):
             cmd = [sys.executable, "-c", f"raise SystemExit('{phase}: failure injected by --fail')"]
+        elif phase in self.args.stall.split(","):
+            cmd = [sys.executable, "-c", "import time; time.sleep(3600)"]
         log = os.path.join(self.work, f"{phase}-{name}.log")
         self.logs.setdefault(phase, []).append(log)
         return Job(f"{phase}/{name}", cmd, log, env=env or self.env())
@@ -617,8 +626,8 @@ class Kit:
                 jobs.append(job)
         if syncs:
             path = os.path.join(self.work, "syncs.json")
-            if one is None and cuda:
-                self.set_phase("syncs", "skipped", note="no Horovod build with NCCL")
+            if cuda and one not in self.venvs:
+                self.set_phase("syncs", "failed", note="no Horovod build with NCCL to run on")
             else:
                 cmd = self.horovodrun(one, 1, os.path.join(SCRIPTS, "gpu_syncs.py"), "probe",
                                       "--json", path, "--size", self.size)  # fmt: skip
@@ -680,7 +689,7 @@ class Kit:
         cuda = bool(self.report["probe"].get("cuda"))
         build = "nccl" if cuda else ("cpu" if "cpu" in self.venvs else None)
         if cuda and build not in self.venvs:
-            self.set_phase("e2e", "skipped", note="no Horovod build with NCCL")
+            self.set_phase("e2e", "failed", note="no Horovod build with NCCL to run on")
             return
         path = os.path.join(self.work, "e2e.json")
         cmd = self.horovodrun(build, 1, os.path.join(SCRIPTS, "gpu_timing.py"), "e2e",
@@ -1068,6 +1077,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=0, help="seconds in all (0: the size's)")
     parser.add_argument("--phases", default=",".join(PHASES), help="the phases to run")
     parser.add_argument("--fail", default="", help="phases made to fail (tests the report)")
+    parser.add_argument("--stall", default="", help="phases made to hang (tests the limits)")
     args = parser.parse_args(argv)  # fmt: skip
     if args.command == "probe":
         _atomic_write(args.json, json.dumps(probe(), indent=1))
