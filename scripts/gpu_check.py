@@ -40,6 +40,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "scripts")
@@ -68,15 +69,21 @@ class Job:
         with open(log, "w") as f:
             f.write(f"$ {' '.join(cmd)}\n")
         self._file = open(log, "a")  # noqa: SIM115 - open for the job's whole life
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=cwd,
-            env=env,
-            stdout=self._file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own group: a timeout kills the children too
-        )
         self.ended = None  # when it ended, seen by a thread: jobs are waited for in turn
+        try:
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=cwd,
+                env=env,
+                stdout=self._file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own group: a timeout kills the children too
+            )
+        except OSError as exc:  # e.g. no horovodrun where a build is missing: a failure
+            self._file.write(f"could not start: {exc}\n")
+            self.proc = None
+            self._finish("failed")
+            return
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _watch(self):
@@ -85,7 +92,7 @@ class Job:
 
     def poll(self) -> bool:
         """Whether it has ended (and then its result is set)."""
-        if self.result is None and self.proc.poll() is not None:
+        if self.result is None and self.proc is not None and self.proc.poll() is not None:
             self._finish("ok" if self.proc.returncode == 0 else "failed")
         return self.result is not None
 
@@ -104,7 +111,7 @@ class Job:
         self._file.close()
         self.result = {
             "status": status,
-            "rc": self.proc.returncode,
+            "rc": None if self.proc is None else self.proc.returncode,
             "seconds": round((self.ended or time.monotonic()) - self.started, 1),
             "log_tail": _tail(self.log, 1500) if status != "ok" else "",
         }
@@ -357,21 +364,34 @@ class Kit:
         return sys.executable, os.path.join(os.path.dirname(sys.executable), "horovodrun")
 
     # --- phases ---------------------------------------------------------------------------
+    def guarded(self, phases, step, *args, default=None):
+        """`step(*args)`; should the kit itself fail there, its phases say so and the run
+        goes on (one phase must not cost the others' report)."""
+        try:
+            return step(*args)
+        except Exception:  # the kit's own bug: reported, never the end of the run
+            error = traceback.format_exc()[-2000:]
+            for phase in phases:
+                self.set_phase(phase, "failed", note="the kit failed here: see log", log=error)
+            return default
+
     def run(self) -> int:
         self.write()
-        self.phase_probe()
+        self.guarded(["probe"], self.phase_probe)
         cuda = bool((self.report.get("probe") or {}).get("cuda"))
         if self.size == "auto":
             self.size = "full" if cuda else "tiny"
             self.report["size"] = self.size
             self.set_size(self.size)
-        builds = self.start_build(cuda) if self.wanted("build") else []
-        timing = self.start_timing() if self.wanted("timing") else None
-        self.finish_build(builds)
-        self.finish_timing(timing)
-        self.phase_contract_and_syncs(cuda)
+        builds = []
+        if self.wanted("build"):
+            builds = self.guarded(["build"], self.start_build, cuda, default=[])
+        timing = self.guarded(["timing"], self.start_timing) if self.wanted("timing") else None
+        self.guarded(["build"], self.finish_build, builds)
+        self.guarded(["timing"], self.finish_timing, timing)
+        self.guarded(["contract", "syncs"], self.phase_contract_and_syncs, cuda)
         if self.wanted("e2e"):
-            self.phase_e2e()
+            self.guarded(["e2e"], self.phase_e2e)
         self.write()
         failed = [
             p for p, e in self.report["phases"].items() if e["status"] not in ("ok", "skipped")
@@ -592,8 +612,7 @@ class Kit:
     def phase_contract_and_syncs(self, cuda: bool) -> None:
         contract = self.wanted("contract")
         syncs = self.wanted("syncs")
-        one = "nccl" if cuda else ("cpu" if "cpu" in self.venvs else None)
-        two = "gloo" if cuda else one
+        one, two = self.builds_for_runs(cuda)
         if cuda and ("nccl" not in self.venvs or "gloo" not in self.venvs):
             self.report["runs_without"] = [b for b in ("nccl", "gloo") if b not in self.venvs]
         jobs = []
@@ -673,6 +692,15 @@ class Kit:
             status = "ok" if entries and all(e["status"] == "ok" for e in entries) else "failed"
             self.set_phase("syncs", status, max((e["seconds"] for e in entries), default=0))
 
+    def builds_for_runs(self, cuda: bool) -> tuple:
+        """(build for 1 rank, build for 2 ranks): with CUDA the NCCL and the Gloo build;
+        without, whatever was built here (a rehearsal), else None: this environment's."""
+        if cuda:
+            return "nccl", "gloo"
+        one = next((b for b in ("nccl", "cpu") if b in self.venvs), None)
+        two = next((b for b in ("gloo", "cpu") if b in self.venvs), None)
+        return one, two
+
     def _built(self, build, feature) -> bool:
         if build in (None, "cpu") and build not in self.venvs:
             code = f"import horovod.torch as hvd, sys; sys.exit(not hvd.{feature}_built())"
@@ -687,7 +715,7 @@ class Kit:
     # e2e --------------------------------------------------------------------------------------
     def phase_e2e(self) -> None:
         cuda = bool(self.report["probe"].get("cuda"))
-        build = "nccl" if cuda else ("cpu" if "cpu" in self.venvs else None)
+        build = self.builds_for_runs(cuda)[0]
         if cuda and build not in self.venvs:
             self.set_phase("e2e", "failed", note="no Horovod build with NCCL to run on")
             return
