@@ -118,11 +118,15 @@ class Job:
 
 
 def wait_all(jobs, deadline: float) -> None:
-    """Wait for all `jobs` at once (each one's time is its own), killing them at `deadline`."""
-    while not all(job.poll() for job in jobs) and time.monotonic() < deadline:
+    """Wait for all `jobs` at once, killing each at `deadline` or its own `limit`, if sooner."""
+
+    def end(job):
+        return min(deadline, getattr(job, "limit", deadline))
+
+    while not all(job.poll() or time.monotonic() >= end(job) for job in jobs):
         time.sleep(0.2)
     for job in jobs:
-        job.wait(deadline)
+        job.wait(end(job))
 
 
 def _tail(path, chars):
@@ -642,6 +646,7 @@ class Kit:
                 cmd = self.horovodrun("nccl", 2, "-c", code)
                 job = self.job("contract", "nccl-2-ranks", cmd)
                 job.label, job.path, job.build = "2 ranks, NCCL on one GPU", None, "nccl"
+                job.limit = time.monotonic() + 45  # a refusal may hang: not the phase's time
                 jobs.append(job)
         if syncs:
             path = os.path.join(self.work, "syncs.json")
