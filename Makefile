@@ -20,7 +20,7 @@ MPIRUN = mpirun --allow-run-as-root --oversubscribe -np $(NP) --bind-to none --m
 # test (per-test limit in pyproject.toml), this cap ends the whole launcher.
 RUN_CAP ?= timeout --signal=KILL 1200
 
-.PHONY: setup test test-unit test-parallel test-mpi test-gloo test-mpi4py test-launch demo bench bench-overheads bench-auto lint convergence docker-check long-run clean slurm-check
+.PHONY: setup test test-unit test-parallel test-mpi test-gloo test-mpi4py test-launch demo bench bench-overheads bench-auto lint convergence docker-check long-run clean slurm-check gpu-bundle gpu-check
 
 setup:
 	bash scripts/bootstrap.sh
@@ -170,6 +170,16 @@ bench-auto: setup
 	done
 	$(PY) -m horovod_powersgd.bench $(BENCH_AUTO_COMMON) --from-json build/bench-auto-*.json \
 		--command-line "make bench-auto" --markdown docs/benchmarks-auto.md
+
+# The GPU check (docs/gpu.md). gpu-bundle fetches what the device machine lacks
+# (Horovod's sdist, the wheels Horovod needs for Python 3.12 there) into build/gpu-bundle,
+# which the device run carries; gpu-check runs scripts/gpu_check.sh here: tiny models on the
+# CPU, report in build/gpu-check (a few minutes on 2 cores; tests/launch runs it too).
+gpu-bundle:
+	bash scripts/gpu_bundle.sh
+
+gpu-check: setup
+	$(RUN_CAP) bash scripts/gpu_check.sh
 
 # 2000 steps under mpirun: RSS over time and NaN/Inf checks -> docs/long_run.md
 # (a few minutes on 2 cores; not part of `make test`).

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# `make gpu-bundle`: what the device machine lacks for scripts/gpu_check.sh, fetched here
+# (where the registries are) into an ignored folder that the device `run` carries
+# (docs/gpu.md gives the call):
+#   * Horovod's sdist as released on PyPI. It is built there by scripts/bootstrap.sh, which
+#     applies the C++17 fix (horovod PR #3998) as it does here: one recipe, one place.
+#   * the wheels Horovod needs for the device's Python 3.12 on x86_64 that its image does not
+#     have (.library/device/KINDS.md lists the image's packages): cffi (Horovod's
+#     install_requires with PyTorch, and its setup.py asks for it at build time) and its
+#     pycparser; setuptools and wheel, which the image has, ride along for a pip there that
+#     prepares the sdist's metadata in an isolated environment, offline.
+# Every file is pinned by version and sha256. Idempotent: when the manifest matches the pins
+# and every file its hash, nothing is fetched (well under a second).
+#
+# Variables: GPU_BUNDLE [build/gpu-bundle]  PYTHON [.venv/bin/python, else python3]
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+BUNDLE=${GPU_BUNDLE:-build/gpu-bundle}
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+# What the device runs: CPython 3.12 on x86_64 (manylinux: glibc there is new enough).
+PLATFORM_ARGS=(--python-version 3.12 --implementation cp --only-binary=:all:
+               --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
+               --platform manylinux2014_x86_64)
+SDIST="horovod==0.28.1 --hash=sha256:92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0"
+WHEELS=(
+  "cffi==2.1.1 --hash=sha256:c1453022f490d2459a11819d83ad1d586e9ff65a12ac3e705ffebd46d3685dcf"
+  "pycparser==3.12 --hash=sha256:a076f3f489b39b43ed13563a1dafe42447445bec2e294154ec5c57fcdda4c85e"
+  "setuptools==84.2.1 --hash=sha256:ca140b45d5325a9478f880e351484f62fef15f336462e449ca0c03c873d589c2"
+  "wheel==0.48.0 --hash=sha256:3217dcc807155e45db462d7ef2431f5ddda0d7273b700d05a67b271ceb1287ab"
+)
+# The device takes 64 MiB in all: the bundle plus the project's tracked files.
+LIMIT_BYTES=$((64 * 1024 * 1024))
+
+log() { printf '[gpu-bundle] %s\n' "$*" >&2; }
+
+pins=$(printf '%s\n' "$SDIST" "${WHEELS[@]}")
+pins_hash=$(printf '%s' "$pins" | sha256sum | cut -d' ' -f1)
+manifest="$BUNDLE/MANIFEST"
+
+up_to_date() {
+  [[ -f "$manifest" ]] && [[ "$(head -n1 "$manifest")" == "pins $pins_hash" ]] \
+    && (cd "$BUNDLE" && tail -n +2 MANIFEST | sha256sum --check --quiet --status)
+}
+
+if up_to_date; then
+  log "$BUNDLE is up to date ($(du -sh "$BUNDLE" | cut -f1))"
+  exit 0
+fi
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+printf '%s\n' "$SDIST" > "$tmp/sdist.txt"
+printf '%s\n' "${WHEELS[@]}" > "$tmp/wheels.txt"
+pip_download() {
+  "$PYTHON" -m pip download -q --disable-pip-version-check --no-deps --require-hashes \
+    -d "$tmp/files" "$@"
+}
+log "fetching Horovod's sdist and ${#WHEELS[@]} wheels for Python 3.12 / x86_64"
+pip_download --no-binary :all: -r "$tmp/sdist.txt"
+pip_download "${PLATFORM_ARGS[@]}" -r "$tmp/wheels.txt"
+
+# One file per pin: two versions of a wheel would stop the install on the device.
+count=$(find "$tmp/files" -type f | wc -l)
+if [[ "$count" -ne $((1 + ${#WHEELS[@]})) ]]; then
+  log "expected $((1 + ${#WHEELS[@]})) files, got $count:"; ls "$tmp/files" >&2; exit 1
+fi
+
+rm -rf "$BUNDLE"
+mkdir -p "$(dirname "$BUNDLE")"
+mv "$tmp/files" "$BUNDLE"
+{
+  echo "pins $pins_hash"
+  (cd "$BUNDLE" && sha256sum -- *)
+} > "$tmp/MANIFEST"
+mv "$tmp/MANIFEST" "$manifest"
+
+bundle_bytes=$(du -sb "$BUNDLE" | cut -f1)
+tracked_bytes=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -n1 | cut -f1)
+total=$((bundle_bytes + tracked_bytes))
+log "$BUNDLE: $((bundle_bytes / 1024)) KiB; with the tracked files $((total / 1024)) KiB" \
+    "of the device's $((LIMIT_BYTES / 1024)) KiB"
+if ((total > LIMIT_BYTES)); then
+  log "too large for one device call"; exit 1
+fi
