@@ -147,12 +147,12 @@ class DriftGuard:
             offset += size
         mine = torch.tensor([layouts + values], dtype=torch.int64, device=device)
         # Fixed names: a per-process count would differ on a worker that joined later.
-        everyone = self.comm.allgather(mine, "drift").cpu()
+        everyone = self.comm.allgather(mine, "drift").tolist()  # the one read of the result
         count = len(self.named)
-        layout_differs = (everyone[:, :count] != everyone[0:1, :count]).any(dim=0).tolist()
-        for j, ((name, p), bad) in enumerate(zip(self.named, layout_differs)):
-            if bad:
-                column = everyone[:, j].tolist()
+        differ = [any(row[j] != everyone[0][j] for row in everyone) for j in range(2 * count)]
+        for j, (name, p) in enumerate(self.named):
+            if differ[j]:
+                column = [row[j] for row in everyone]
                 ranks = [r for r, layout in enumerate(column) if layout != column[0]]
                 raise ValueError(
                     f"the optimizer state of parameter {name!r} holds other tensors on some "
@@ -162,7 +162,7 @@ class DriftGuard:
                     "...) or a rank loaded another optimizer state; build the same optimizer "
                     "on every rank"
                 )
-        differs = (everyone[:, count:] != everyone[0:1, count:]).any(dim=0).tolist()
+        differs = differ[count:]
         names = [name for (name, _), bad in zip(self.named, differs) if bad]
         if names:
             self.repairs += 1

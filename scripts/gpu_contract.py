@@ -52,9 +52,9 @@ def make_model(seed=0):
     return helpers.make_model(seed).to(DEVICE)
 
 
-def batch(step, rank=None):
+def batch(step, rank=None, **kwargs):
     """The tests' data (different on every rank and step), on this run's device."""
-    x, y = _cpu_batch(step, rank)
+    x, y = _cpu_batch(step, rank, **kwargs)
     return x.to(DEVICE), y.to(DEVICE)
 
 

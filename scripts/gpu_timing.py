@@ -106,13 +106,13 @@ def forward_backward(workload, device, precision, clock, warmup, iters, model=No
 def _compressor(model, rank: int, rounds: int):
     """The compressor and bucket order DistributedOptimizer would build for `model`.
 
-    Internal API (horovod_powersgd.compressor/schedule/monitor): if it changes, this
+    Internal API (horovod_powersgd.compressor/reducer/monitor): if it changes, this
     measurement reports the error and the kit goes on.
     """
     from horovod_powersgd.compressor import PowerSGDCompressor
     from horovod_powersgd.config import PowerSGDConfig
     from horovod_powersgd.monitor import LayerMonitor
-    from horovod_powersgd.schedule import make_buckets
+    from horovod_powersgd.reducer import make_buckets
 
     params = [p for p in model.parameters() if p.requires_grad]
     names = {p: n for n, p in model.named_parameters()}
@@ -148,7 +148,7 @@ def local_work(model, rank, rounds, clock, warmup, iters) -> dict:
                 marks.append((phase, clock.mark()))
 
         mark("start")
-        compressor.begin_step(workers=1)
+        compressor.begin_step(workers=1, done=1)  # a steady-state step: warm memories
         mark("orthogonalise memory")
         for index, layer_names in order:
             for name in layer_names:
@@ -166,7 +166,6 @@ def local_work(model, rank, rounds, clock, warmup, iters) -> dict:
                 for name in layer_names:
                     monitor.compressed(name, grads[name])
                 mark("statistics")
-        compressor.end_step()
         if marks is not None:
             monitor.end_step(1, True, dict)  # step 1: no periodic check, only the norms
             mark("statistics")

@@ -17,9 +17,10 @@ The reads allowed, by design, and how often (steps counted by
   are agreed across ranks with one small all-reduce, whose message is built from
   two short host lists and whose result is read back: 2 ``torch.tensor(device=)``
   and 1 ``.tolist()`` (monitor.py).
-* every ``drift_check_every``-th step (default 100; 20 here): the checksums of the
-  parameters are compared across ranks: 1 ``torch.tensor(device=)`` and 1
-  ``.tolist()`` (guard.py).
+* every ``drift_check_every``-th step (default 100; 20 here): the fingerprints of
+  the parameters come to the host in one copy (1 ``.cpu()``, 1 ``.numpy()``) to be
+  hashed, and the hashes are compared across ranks: 1 ``torch.tensor(device=)``
+  and 1 ``.tolist()`` (guard.py).
 * the first step after construction or ``load_state_dict``: the ranks agree on
   their state through a digest read on the host (a warm-up step here, not counted).
 * on the CPU only: the finiteness checks of compressor.py look at the flags on the
@@ -51,7 +52,7 @@ STEPS = 25  # two statistics checks and one drift check after the warm-up
 WARM_UP = 2  # step 1 agrees on the state and checks drift once; step 2 is the first plain one
 # Per periodic check: the reads it may make (method -> how many).
 STATS_READS = {"torch.tensor(device=)": 2, "tolist": 1}
-DRIFT_READS = {"torch.tensor(device=)": 1, "tolist": 1}
+DRIFT_READS = {"torch.tensor(device=)": 1, "tolist": 1, "cpu": 1, "numpy": 1}
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
