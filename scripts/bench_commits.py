@@ -40,9 +40,11 @@ def main() -> int:
     parser.add_argument("new")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "bench-commits")
-    parser.add_argument("bench", nargs=argparse.REMAINDER, help="-- then the bench's arguments")
-    args = parser.parse_args()
-    bench = [a for a in args.bench if a != "--"]
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:cut])
+    args.out = args.out.resolve()  # the runs write there from the other tree too
+    bench = argv[cut + 1 :]  # after "--": the bench's arguments
     args.out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[list[dict]]] = {args.old: [], args.new: []}
     with tempfile.TemporaryDirectory() as scratch:
