@@ -31,6 +31,7 @@ from convergence_runs import (
     pair_by_seed,
 )
 from convergence_tables import (
+    auto_lines,
     flattening_table,
     gap_by_epoch_table,
     machines_lines,
@@ -288,6 +289,9 @@ def write_report(groups, out_dir):
                 *gap,
                 "",
             ]
+        chose = auto_lines(mine, example)
+        if chose:
+            lines += ['### rank="auto"', "", *chose]
         again = retrained_lines(runs, example)
         if again:
             lines += ["### Runs trained again", "", *again, ""]

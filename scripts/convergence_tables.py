@@ -293,3 +293,53 @@ def machines_lines(groups, example):
     for r, m in zip(runs, where):
         lines.append(f"- {r['config']['label']}, seed {r['args']['seed']}: {m}")
     return lines
+
+
+def _plan_text(plan):
+    """Each bucket's rank, in backward's order; p = sent plain."""
+    return " ".join(str(r) if r else "p" for r in plan)
+
+
+def auto_lines(groups, example):
+    """rank="auto" runs of `example`: the target (its seed mean no worse than plain's worst
+    seed, that is, inside plain's seed spread or better) and the ranks it chose, epoch by
+    epoch (the plan at each epoch's end; a row per stretch of epochs with one plan)."""
+    plain = groups.get(Config(example, 0).key)
+    better = EXAMPLES[example][3]
+    lines = []
+    for key in _ordered(groups):
+        records = groups[key]
+        if records[0]["example"] != example or config_of(records).rank != "auto":
+            continue
+        label = config_of(records).label
+        if plain and all_finite(records):
+            at = common_epoch(plain, records)
+            mine = [metric(r, at) for r in records]
+            theirs = [metric(r, at) for r in plain]
+            worst = min(theirs) if better else max(theirs)
+            mean = statistics.fmean(mine)
+            ok = mean >= worst if better else mean <= worst
+            lines.append(
+                f"- {label}: **{'met' if ok else 'missed'}** (seed mean no worse than plain's "
+                f"worst seed, at epoch {at}): {mean:.2f} (seeds "
+                + ", ".join(f"{v:.2f}" for v in mine)
+                + f") against plain's {min(theirs):.2f}-{max(theirs):.2f} over seeds "
+                + ",".join(str(r["args"]["seed"]) for r in plain)
+                + "."
+            )
+        lines += ["", f"Ranks chosen by {label}, bucket by bucket (p: plain):", ""]
+        lines += ["| seed | epochs | plan |", "|---|---|---|"]
+        for r in records:
+            stretches = []  # [first epoch, last epoch, plan]
+            for e in r["epochs"]:
+                plan = e.get("plan")
+                if stretches and stretches[-1][2] == plan:
+                    stretches[-1][1] = e["epoch"]
+                else:
+                    stretches.append([e["epoch"], e["epoch"], plan])
+            for first, last, plan in stretches:
+                span = str(first) if first == last else f"{first}-{last}"
+                shown = "not recorded" if plan is None else _plan_text(plan)
+                lines.append(f"| {r['args']['seed']} | {span} | {shown} |")
+        lines.append("")
+    return lines

@@ -584,3 +584,27 @@ def test_a_seed_still_training_is_held_out_of_the_seed_means_until_it_catches_up
     runs[-1]["example"] = "transformer_lm"
     _, behind = convergence_report._current(write_runs(tmp_path / "convergence", runs))
     assert behind == []
+
+
+def test_auto_runs_are_judged_against_plains_seed_spread_and_show_their_ranks(tmp_path):
+    plain = Config("fashion_mnist", 0)
+    auto = Config("fashion_mnist", "auto", link="50mbit")
+    runs = [fake_record(plain, s, [0.90, a], 1.0) for s, a in ((42, 0.920), (43, 0.914))]
+    inside = [fake_record(auto, s, [0.89, a], 150.0) for s, a in ((42, 0.913), (43, 0.917))]
+    for r, plans in zip(inside, ([[0, 2], [1, 2]], [[0, 2], [0, 2]])):
+        for e, plan in zip(r["epochs"], plans):
+            e["plan"] = plan
+    groups = write_runs(tmp_path / "convergence", runs + inside)
+    lines = convergence_tables.auto_lines(groups, "fashion_mnist")
+    # Mean 91.50 against plain's 91.40-92.00: inside the spread.
+    assert "**met**" in lines[0] and "91.50" in lines[0] and "91.40-92.00" in lines[0], lines
+    assert "| 42 | 1 | p 2 |" in lines and "| 42 | 2 | 1 2 |" in lines, lines
+    assert "| 43 | 1-2 | p 2 |" in lines, lines  # one row for a plan that held
+    convergence_report.write_report(groups, str(tmp_path))
+    assert '### rank="auto"' in (tmp_path / "convergence.md").read_text()
+
+    # Below plain's worst seed: a miss.
+    low = [fake_record(auto, s, [0.89, a], 150.0) for s, a in ((42, 0.910), (43, 0.912))]
+    groups = write_runs(tmp_path / "again", runs + low)
+    lines = convergence_tables.auto_lines(groups, "fashion_mnist")
+    assert "**missed**" in lines[0] and "not recorded" in "\n".join(lines), lines
