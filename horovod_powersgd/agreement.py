@@ -56,6 +56,7 @@ def signature(opt, optimizer_settings: bool = True) -> list[tuple]:
     compression = getattr(opt.compression, "__qualname__", type(opt.compression).__name__)
     rows = [(opt._names[p], tuple(p.shape), str(p.dtype)) for p in opt._params]
     rows.append(("config", repr(opt.config), str(opt.op), compression))
+    rows.append(("link", opt._link_setting))
     if optimizer_settings:
         rows.append(("optimizer", opt._base.__qualname__))
         for index, group in enumerate(opt.param_groups):
@@ -100,8 +101,15 @@ def _first_difference(mine, other, my_rank, other_rank) -> str:
                 f"{my_rank} and {show[1]} on rank {other_rank}; build the same optimizer on "
                 "every rank"
             )
-    mine = [row for row in mine if row[0] not in ("setting", "optimizer")]
-    other = [row for row in other if row[0] not in ("setting", "optimizer")]
+    links = [next((row[1] for row in rows if row[0] == "link"), None) for rows in (mine, other)]
+    if links[0] != links[1]:
+        return (
+            f"the link rank='auto' plans for (auto_link, else the environment variable "
+            f"HOROVOD_POWERSGD_LINK) is {links[0]!r} on rank {my_rank} and {links[1]!r} on "
+            f"rank {other_rank}; set it alike on every rank, or on none"
+        )
+    mine = [row for row in mine if row[0] not in ("setting", "optimizer", "link")]
+    other = [row for row in other if row[0] not in ("setting", "optimizer", "link")]
     if len(mine) != len(other):
         return (
             f"rank {my_rank} has {len(mine) - 1} parameters with gradients, "

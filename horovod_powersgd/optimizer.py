@@ -40,7 +40,7 @@ from .config import PowerSGDConfig, check_groups, check_log_every, check_named_p
 from .guard import DriftGuard
 from .monitor import LayerMonitor
 from .reducer import Reducer, make_buckets
-from .tuner import FixedRanks, Tuner
+from .tuner import FixedRanks, Tuner, link_setting
 
 STATE_KEY = "powersgd"  # this rank's PowerSGD state in state_dict()
 # Horovod's own messages, for the same mistakes.
@@ -84,6 +84,9 @@ class _DistributedOptimizer:
                     f"parameter {self._names[p]!r} is sparse; PowerSGD compresses dense "
                     "gradients only (use a dense layer or plain hvd.DistributedOptimizer)"
                 )
+        # rank="auto"'s pinned link (auto_link or HOROVOD_POWERSGD_LINK), compared
+        # with the settings below before the tuner parses it.
+        self._link_setting = link_setting(config)
         # Under elastic Horovod a worker that joins builds its optimizer while
         # the others wait in the state sync: the check runs there instead.
         if self._active and not _elastic():

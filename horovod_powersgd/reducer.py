@@ -156,10 +156,12 @@ class Reducer:
             if p.grad is None:
                 # Unused on this rank; another rank may have a gradient, so send zeros.
                 p.grad = torch.zeros_like(p)
-        # Warm-up steps are plain Horovod; compressed steps send everything in
+        # Warm-up steps, and buckets that rank="auto" sends plain, are plain Horovod
+        # (the user's compression); compressed steps send everything else in
         # comm_dtype (where one is set), the uncompressed gradients included.
         plain = bucket.uncompressed if self.compressing else bucket.params
-        comm_dtype = self.comm_dtype if self.compressing else None
+        as_horovod = not self.compressing or self.compressor.ranks[bucket.index] == 0
+        comm_dtype = None if as_horovod else self.comm_dtype
         bucket.sent = [(p, *self.comm.to_wire(p.grad, comm_dtype)) for p in plain]
         factors = self.compressor.send_buffers(bucket.index) if self.compressing else []
         bucket.factor_count = len(factors)

@@ -15,8 +15,9 @@ counted in steps from the start (every rank does the same at the same step):
     plan      the ranks' mean of all that, planner.candidates: a few plans
     try       each candidate TRIAL_STEPS steps; the first after a change is not
               timed (it allocates); the ranks' mean step time of the others
-    settled   planner.pick_measured over the timed candidates. After about
-              MEASURE_STEPS + (1 + TRIAL_STEPS) · 4 = 32 steps the plan settles.
+    settled   planner.pick_measured over the timed candidates: after
+              MEASURE_STEPS + TRIAL_STEPS per candidate (1-4 of them) steps,
+              at most 8 + 5 · 4 = 28 (measured: 23-28).
     keep up   every CHECK_EVERY steps: buckets whose approximation fails (the
               statistics' relative error >= FAILING) move a rank up when the
               model keeps the step within TOLERANCE; and if the step time moved
@@ -24,6 +25,11 @@ counted in steps from the start (every rank does the same at the same step):
               is timed again and, if the model then prefers another plan, the
               candidates are tried again; a new plan is taken only if it is
               measured at least HYSTERESIS faster than the current one.
+
+Every decision after the measurements is one decision for all ranks: taken
+on the first rank, from the ranks' means, and broadcast (`Tuner._shared`); a
+rank's own view (its statistics, its timings, its environment) never splits
+the plan. The pinned link is compared across ranks when the optimizer is built.
 
 With a pinned link (`auto_link`, or HOROVOD_POWERSGD_LINK), the planner uses it
 instead of the timed all-reduces, and the step time is not tracked (a pinned
@@ -88,12 +94,28 @@ class FixedRanks:
         return _plan_rows(opt, {})
 
 
+def link_setting(config: PowerSGDConfig) -> str | None:
+    """The pinned link's text, unparsed: `auto_link`, else HOROVOD_POWERSGD_LINK, else None.
+
+    The optimizer compares it across ranks (with the other settings) before
+    `pinned_link` parses it, so a value set on some ranks only, or a bad one,
+    fails on every rank alike instead of splitting their plans.
+    """
+    if not config.auto:
+        return None
+    return config.auto_link or os.environ.get(LINK_ENV) or None
+
+
 def pinned_link(config: PowerSGDConfig) -> planner.Link | None:
     """The link to plan for, if pinned (the setting first, then the environment)."""
-    text = config.auto_link or os.environ.get(LINK_ENV) or None
+    text = link_setting(config)
     if text is None:
         return None
-    bytes_per_s, latency_s = parse_link(text)
+    try:
+        bytes_per_s, latency_s = parse_link(text)
+    except ValueError as error:
+        source = "auto_link" if config.auto_link else LINK_ENV
+        raise ValueError(f"{source}={text!r}: {error}") from None
     return planner.Link(latency_s=latency_s, bytes_per_s=bytes_per_s)
 
 
@@ -106,8 +128,12 @@ def _synchronize(device: torch.device) -> None:
 class _Recorder:
     """The optimizer's `Comm` during a measure step: notes when each bucket leaves.
 
-    `timed`: also wait for each all-reduce at once and time it (the link), at
-    the price of backward waiting meanwhile.
+    `timed`: also time each bucket's all-reduce alone (the link). Those are
+    launched and waited for in `wait`, which `Reducer.finish` calls in bucket
+    order on every rank. Waiting in the gradient hook instead would wait in the
+    order this rank's backward completes its buckets, which differs across
+    ranks when a parameter is unused on some of them: each rank would wait on
+    another bucket, for ever.
     """
 
     def __init__(self, comm, start: float, timed: bool):
@@ -119,26 +145,29 @@ class _Recorder:
         return getattr(self.comm, name)
 
     def allreduce_async(self, tensors, name):
-        now = time.perf_counter()
-        self.launched[name] = now - self.start
-        handle = self.comm.allreduce_async(tensors, name)
+        self.launched[name] = time.perf_counter() - self.start
         if not self.timed:
-            return handle
-        outputs = self.comm.wait(handle)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        self.samples.append((name, nbytes, time.perf_counter() - now))
-        return _Done(outputs)
+            return self.comm.allreduce_async(tensors, name)
+        return _Deferred(tensors, name)
 
     def poll(self, handle):
-        return True if isinstance(handle, _Done) else self.comm.poll(handle)
+        return False if isinstance(handle, _Deferred) else self.comm.poll(handle)
 
     def wait(self, handle):
-        return handle.outputs if isinstance(handle, _Done) else self.comm.wait(handle)
+        if not isinstance(handle, _Deferred):
+            return self.comm.wait(handle)
+        start = time.perf_counter()
+        outputs = self.comm.wait(self.comm.allreduce_async(handle.tensors, handle.name))
+        nbytes = sum(t.numel() * t.element_size() for t in handle.tensors)
+        self.samples.append((handle.name, nbytes, time.perf_counter() - start))
+        return outputs
 
 
-class _Done:
-    def __init__(self, outputs):
-        self.outputs = outputs
+class _Deferred:
+    """A timed all-reduce not launched yet (see `_Recorder`)."""
+
+    def __init__(self, tensors, name):
+        self.tensors, self.name = tensors, name
 
 
 class Tuner:
@@ -237,6 +266,9 @@ class Tuner:
                 seconds = _time_bucket(probe, bucket, grads, scratch, self.comm.size, device)
                 if seconds is not None:
                     times.setdefault(bucket.index, []).append(seconds)
+            # Freed before the next is built: one probe's buffers at a time, with the
+            # scratch gradients about twice the model's gradients (docs/auto.md).
+            del probe
 
     def _gather(self, opt) -> planner.Measurements:
         """The ranks' means of what this rank measured."""
@@ -275,11 +307,19 @@ class Tuner:
         if self.pinned is not None:
             # The real step times say nothing about a pinned link: the model decides.
             plan = planner.choose(self.measurements, self.ladder, TOLERANCE)
-            self._settle(opt, self.comm.broadcast_object(plan, _root(opt), "auto.plan"), None)
+            self._settle(opt, self._shared(plan, "auto.plan"), None)
             return
         candidates = planner.candidates(self.measurements, self.ladder, TOLERANCE)
-        self.candidates = self.comm.broadcast_object(candidates, _root(opt), "auto.plans")
+        self.candidates = self._shared(candidates, "auto.plans")
         self._begin_trials(opt)
+
+    def _shared(self, decision, name: str):
+        """The first rank's `decision`, on every rank: every decision after the measurements
+        is one decision for all ranks. Their inputs are the ranks' means, but a mean
+        need not be bitwise equal everywhere, nor is a rank's own view (its statistics,
+        the time it waited): any difference would split the ranks' plans (a hang, or
+        mismatched all-reduces)."""
+        return self.comm.broadcast_object(decision, first_rank(self.comm.process_set), name)
 
     # --- try --------------------------------------------------------------------------------
     def _begin_trials(self, opt, keep: list[int] | None = None) -> None:
@@ -310,13 +350,15 @@ class Tuner:
             kept = seconds[self.candidates.index(self._keep)]
             if seconds[self.candidates.index(best)] > kept * (1 - HYSTERESIS):
                 best = self._keep  # not clearly faster: no change
-        self._settle(opt, best, seconds[self.candidates.index(best)])
+        best, best_s = self._shared((best, seconds[self.candidates.index(best)]), "auto.pick")
+        self._settle(opt, best, best_s)
 
     def _settle(self, opt, plan, seconds: float | None) -> None:
         """Take `plan` (its measured step time: `seconds`; None: the model's)."""
-        self._apply(opt, plan)
-        self.expected_s = planner.predict(self.measurements, plan) if seconds is None else seconds
         self.phase, self._window = "settled", []
+        if not self._apply(opt, plan):
+            self._log(opt, plan)  # the last candidate tried: taken as it runs
+        self.expected_s = planner.predict(self.measurements, plan) if seconds is None else seconds
         self._next_check = opt.powersgd_step + CHECK_EVERY
 
     # --- keep up ----------------------------------------------------------------------------
@@ -328,42 +370,49 @@ class Tuner:
         self._next_check = opt.powersgd_step + CHECK_EVERY
         plan = self._current(opt)
         failing = _failing_buckets(opt)
+        raised = plan
         if failing:
             budget = planner.predict(self.measurements, plan) * (1 + TOLERANCE)
             raised = planner.raise_failing(self.measurements, plan, failing, budget)
-            if raised != plan:
-                self._apply(opt, raised)
-                return
-        if self.pinned is not None or not self._window:
-            return
-        ratio = statistics.median(self._window) / self.expected_s
+        # The step time against the settled one, the ranks' mean (1: nothing to compare).
+        ratio = 1.0
+        if self.pinned is None and self._window:
+            ratio = statistics.median(self._window) / self.expected_s
         mean = self.comm.allreduce_sum(torch.tensor([ratio], dtype=torch.float64), "auto.drift")
-        ratio = float(mean[0]) / self.comm.size
-        if abs(math.log(ratio)) > math.log(1 + DRIFT):
+        drifted = abs(math.log(float(mean[0]) / self.comm.size)) > math.log(1 + DRIFT)
+        raised, drifted = self._shared((raised, drifted and self.pinned is None), "auto.check")
+        if raised != plan:
+            self._apply(opt, raised)
+        elif drifted:
             self._replan(opt)
 
     def _replan(self, opt, force: bool = False) -> None:
         """Time the link again (a few all-reduces), and try the plans the model prefers now."""
         samples = _time_link(self.comm, opt.powersgd_step)
-        link = self.pinned or planner.Link.fit(samples)
-        self.measurements = self.measurements.with_link(link)
-        plans = planner.candidates(self.measurements, self.ladder, TOLERANCE)
+        seconds = torch.tensor([s for _, s in samples], dtype=torch.float64)
+        seconds = (self.comm.allreduce_sum(seconds, "auto.link") / self.comm.size).tolist()
+        link = self.pinned or planner.Link.fit([(b, s) for (b, _), s in zip(samples, seconds)])
+        plans = planner.candidates(self.measurements.with_link(link), self.ladder, TOLERANCE)
         current = self._current(opt)
-        if not force and plans[0] == current:
+        plans = None if not force and plans[0] == current else plans
+        link, plans = self._shared((link, plans), "auto.replan")
+        self.measurements = self.measurements.with_link(link)
+        if plans is None:
             return
-        plans = [current, *[p for p in plans if p != current]]
-        self.candidates = self.comm.broadcast_object(plans, _root(opt), "auto.replan")
+        self.candidates = [current, *[p for p in plans if p != current]]
         self._begin_trials(opt, keep=None if force else current)
 
     # --- apply ------------------------------------------------------------------------------
     def _current(self, opt) -> list[int]:
         return [opt.compressor.ranks[b.index] for b in opt._reducer.buckets]
 
-    def _apply(self, opt, plan) -> None:
-        """Send each bucket at its rank in `plan` from the next step on; nothing is lost."""
+    def _apply(self, opt, plan) -> bool:
+        """Send each bucket at its rank in `plan` from the next step on; nothing is lost.
+
+        Returns whether anything changed (and was logged)."""
         before = self._current(opt)
         if list(plan) == before:
-            return
+            return False
         ranks = {b.index: r for b, r in zip(opt._reducer.buckets, plan)}
         residuals = opt.compressor.set_ranks(ranks)
         opt._reducer.refresh()
@@ -371,13 +420,20 @@ class Tuner:
             self._send_residuals(opt, residuals)
         opt._rebuild_monitor()
         self.changes += 1
-        if self.comm.set_rank == 0:
-            logger.info(
-                "PowerSGD auto plan at step %d (%s): %s; expected %.1f ms a step, plain %.1f ms",
-                opt.powersgd_step, "trying" if self.phase == "try" else "taken", _describe(plan),
-                1e3 * planner.predict(self.measurements, plan),
-                1e3 * planner.predict(self.measurements, planner.uniform(self.measurements, 0)),
-            )  # fmt: skip
+        self._log(opt, plan)
+        return True
+
+    def _log(self, opt, plan) -> None:
+        if self.comm.set_rank != 0:
+            return
+        step = opt.powersgd_step
+        logger.info(
+            "PowerSGD auto plan at step %d (%s): %s%s; expected %.1f ms a step, plain %.1f ms",
+            step, "trying" if self.phase == "try" else "taken", _describe(plan),
+            f" from step {self.start} (start_iter)" if self.start > step else "",
+            1e3 * planner.predict(self.measurements, plan),
+            1e3 * planner.predict(self.measurements, planner.uniform(self.measurements, 0)),
+        )  # fmt: skip
 
     def _send_residuals(self, opt, residuals: dict[str, torch.Tensor]) -> None:
         """All-reduce what buckets that go plain held back, into this step's gradients."""
@@ -514,10 +570,6 @@ def _plain_bytes(opt, bucket) -> float:
     return float(sum(p.numel() * _wire_size(opt, p, None) for p in bucket.params))
 
 
-def _root(opt) -> int:
-    return first_rank(opt.process_set)
-
-
 def _failing_buckets(opt) -> list[int]:
     """Positions of the buckets whose compressed layers' mean relative error >= FAILING."""
     if opt._monitor is None:
@@ -535,13 +587,15 @@ def _describe(plan) -> str:
 
 
 def _plan_rows(opt, figures: dict[int, dict]) -> list[dict]:
-    """compression_stats()["plan"]: per parameter, how it travels."""
+    """compression_stats()["plan"]: per parameter, how it travels at the next step
+    (plain for all until `start_iter` ends, whatever the plan)."""
+    live = opt.powersgd_step >= opt._tuner.start
     rows = []
     for bucket in opt._reducer.buckets:
         extra = figures.get(bucket.index, {"bucket_ms": None, "saved_ms": None})
         for p in bucket.params:
             name = opt._names[p]
-            compressed = opt.compressor.is_compressed(name)
+            compressed = live and opt.compressor.is_compressed(name)
             rank = opt.compressor.layer_info(name)["rank"] if compressed else 0
             rows.append(
                 {"name": name, "bucket": bucket.index,
