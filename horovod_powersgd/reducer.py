@@ -40,6 +40,7 @@ class Bucket:
         self.params = params
         self.compressed: list[torch.Tensor] = []  # filled in once the compressor decided
         self.uncompressed: list[torch.Tensor] = []
+        self.plain = False  # rank="auto" sends the whole bucket plain (its rank is 0)
         self.clear()
 
     def clear(self) -> None:
@@ -103,6 +104,7 @@ class Reducer:
         for b in self.buckets:
             b.compressed = [p for p in b.params if p in self._compressed]
             b.uncompressed = [p for p in b.params if p not in self._compressed]
+            b.plain = self.compressor.ranks[b.index] == 0
 
     def begin(self, done: int) -> None:
         """A new step: PowerSGD after `done` >= 0 compressed steps, else (warm-up) plain."""
@@ -160,8 +162,7 @@ class Reducer:
         # (the user's compression); compressed steps send everything else in
         # comm_dtype (where one is set), the uncompressed gradients included.
         plain = bucket.uncompressed if self.compressing else bucket.params
-        as_horovod = not self.compressing or self.compressor.ranks[bucket.index] == 0
-        comm_dtype = None if as_horovod else self.comm_dtype
+        comm_dtype = self.comm_dtype if self.compressing and not bucket.plain else None
         bucket.sent = [(p, *self.comm.to_wire(p.grad, comm_dtype)) for p in plain]
         factors = self.compressor.send_buffers(bucket.index) if self.compressing else []
         bucket.factor_count = len(factors)
