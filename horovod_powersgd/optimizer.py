@@ -107,6 +107,7 @@ class _DistributedOptimizer:
         # --- per step -------------------------------------------------------------------
         self._delay = {p: config.backward_passes_per_step for p in self._params}
         self._pending = False  # a backward pass was counted since the last synchronize()
+        self._was_sparse: set[torch.Tensor] = set()  # sparse_as_dense: densified this step
         self._synchronized = False
         self._should_synchronize = True
         if self._active:
@@ -140,7 +141,13 @@ class _DistributedOptimizer:
                 "compresses dense gradients only: pass sparse_as_dense=True, or use "
                 "nn.Embedding(sparse=False)"
             )
+        self._was_sparse.add(p)
         p.grad = p.grad.to_dense()
+
+    def _restore_sparse(self) -> None:
+        """Hand back sparse what was sparse, as Horovod does (SparseAdam takes only sparse)."""
+        for p in self._was_sparse:
+            p.grad = p.grad.to_sparse()
 
     def _begin_step(self) -> None:
         self._agreement.begin_step(self)  # before the step's first collective
@@ -165,6 +172,7 @@ class _DistributedOptimizer:
             if p not in self._reducer.done:
                 self._ready_without_hook(p)
         self._reducer.finish()
+        self._restore_sparse()
         self.powersgd_step += 1
         self._guard.note_step(self.powersgd_step)
         self._reset_step()
@@ -221,6 +229,7 @@ class _DistributedOptimizer:
         """Forget everything about the step in progress (after it, or on load_state_dict)."""
         self._reducer.reset()
         self._pending = False
+        self._was_sparse = set()
         self._delay = dict.fromkeys(self._params, self.config.backward_passes_per_step)
 
     # --- Horovod's optimizer interface ----------------------------------------------------
@@ -542,7 +551,9 @@ def DistributedOptimizer(
         groups: accepted and validated as Horovod does; every round of a step
             already travels as one fused collective, so it changes nothing sent.
         sparse_as_dense: make sparse gradients (nn.Embedding(sparse=True)) dense,
-            so they are compressed like any other; without it they raise.
+            so they are compressed like any other, and, as Horovod does, hand the
+            aggregate back sparse (`to_sparse()`) before the wrapped optimizer
+            steps, so torch.optim.SparseAdam works; without it they raise.
         process_set: the Horovod process set to reduce over. A rank outside it
             trains on its own gradients, as with Horovod.
         rank: matrix approximation rank r (>= 1), capped at min(n, m) per tensor;
