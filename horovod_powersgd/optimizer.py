@@ -76,6 +76,8 @@ class _DistributedOptimizer:
         # Like Horovod: a rank outside the process set trains on its own gradients.
         self._active = comm.included()
         self._names: dict[torch.Tensor, str] = {p: name for name, p in named_parameters}
+        # Horovod's name for the same mapping, which its tests and users' logging read.
+        self._parameter_names = self._names
         # Parameters that get a gradient, in a fixed order (that of param_groups).
         self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         for p in self._params:
