@@ -87,9 +87,11 @@ class _DistributedOptimizer:
                     "gradients only (use a dense layer or plain hvd.DistributedOptimizer)"
                 )
         # Under elastic Horovod a worker that joins builds its optimizer while
-        # the others wait in the state sync: the check runs there instead.
+        # the others wait in the state sync: the check runs there instead. The
+        # wrapped optimizer's settings are compared at the first step (Agreement),
+        # after the user's hvd.broadcast_optimizer_state, which may make them equal.
         if self._active and not _elastic():
-            check_same_model(comm, signature(self))
+            check_same_model(comm, signature(self, optimizer_settings=False))
         buckets = make_buckets(self._params)
         self.compressor = PowerSGDCompressor(
             [(self._names[p], p) for p in self._params],
@@ -105,7 +107,7 @@ class _DistributedOptimizer:
         self._guard = DriftGuard(
             [(self._names[p], p) for p in self._params], config.drift_check_every, comm
         )
-        self._agreement = Agreement(self._active, comm.size)
+        self._agreement = Agreement(self._active, comm.size, check_settings=not _elastic())
         # --- per step -------------------------------------------------------------------
         self._delay = {p: config.backward_passes_per_step for p in self._params}
         self._pending = False  # a backward pass was counted since the last synchronize()
@@ -597,7 +599,11 @@ def DistributedOptimizer(
 
     Raises:
         ValueError: a bad setting, unnamed/duplicate/sparse parameters, or
-            parameters or settings that differ across ranks (raised on every rank).
+            parameters or PowerSGD settings that differ across ranks (raised on
+            every rank). The wrapped optimizer's settings (lr, momentum, ...) may
+            differ when it is built, as in Horovod, until the user's
+            hvd.broadcast_optimizer_state; where they still differ at the first
+            step, that step raises on every rank before its first collective.
 
     Example:
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1 * hvd.size(), momentum=0.9)
