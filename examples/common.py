@@ -359,11 +359,10 @@ def _progress_lines(iterable, total: int, desc: str):
         yield item
         if step * 10 >= next_report * total and step < total:
             elapsed = time.perf_counter() - start
-            print(
+            write_line(
                 f"{desc}: {step}/{total} steps, {elapsed:.0f} s, "
                 f"about {elapsed * (total - step) / step:.0f} s left",
-                file=sys.stderr,
-                flush=True,
+                sys.stderr,
             )
             next_report = step * 10 // total + 1
 
@@ -380,9 +379,23 @@ def workers() -> str:
     return f"{hvd.size()} worker{'s' if hvd.size() > 1 else ''}"
 
 
+def write_line(text: str, stream=None) -> None:
+    """Write `text` and its newline to `stream` (stdout) in one write, then flush.
+
+    horovodrun and mpirun tag each piece of a worker's output they read with its
+    rank and stream. print() writes the text and the newline apart; unbuffered
+    (PYTHONUNBUFFERED, as `make demo` runs) they can reach the launcher as two
+    pieces, and the line then ends in a stray tag such as ``[1,0]<stderr>:``.
+    """
+    stream = sys.stdout if stream is None else stream
+    stream.write(text + "\n")
+    stream.flush()
+
+
 def log(message: str) -> None:
     if hvd.rank() == 0:  # Horovod: print on rank 0 only.
-        print(message, flush=True)
+        for line in message.splitlines() or [""]:
+            write_line(line)
 
 
 class Recorder:

@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common
 from fashion_mnist import CLASSES, DEFAULT_DATA_DIR, load_split
 
 import horovod_powersgd as hps
@@ -140,10 +141,9 @@ def main(argv=None) -> dict:
         accuracies = leaders.gather(record["test_accuracy"], root=0)
         if leaders.Get_rank() == 0:
             members = ", ".join(f"{a:.4f}" for a in accuracies)
-            print(
+            common.write_line(
                 f"Final: {args.members} members x {hvd.size()} workers; test accuracy of each "
-                f"member {members}; of the ensemble {record['ensemble_accuracy']:.4f}",
-                flush=True,
+                f"member {members}; of the ensemble {record['ensemble_accuracy']:.4f}"
             )
         leaders.Free()
     return record

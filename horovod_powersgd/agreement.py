@@ -1,9 +1,12 @@
 """What every rank must agree on: the model and settings, and the shared PowerSGD state.
 
 * `check_same_model`: when an optimizer is built (and at every elastic sync),
-  one small all-gather compares a digest of every rank's parameters, PowerSGD
-  settings and wrapped-optimizer settings; where they differ, every rank raises
-  the same error naming the difference, instead of mismatched collectives.
+  one small all-gather compares a digest of every rank's parameters and PowerSGD
+  settings; where they differ, every rank raises the same error naming the
+  difference, instead of mismatched collectives. The wrapped optimizer's type and
+  settings are compared at the first step, in the same all-gather as the shared
+  state (`Agreement.agree`): Horovod lets each rank build it with its own
+  learning rate and make them equal with `hvd.broadcast_optimizer_state`.
 * `Agreement`: the Q (and P) memory, RNG states and step counter must be equal
   on every rank, since P = M·Q is summed across ranks. After construction and
   after any load, the first step compares a digest of them and, where they
@@ -50,8 +53,10 @@ def signature(opt, optimizer_settings: bool = True) -> list[tuple]:
     """What must be equal on every rank: parameters, settings, the wrapped optimizer's.
 
     `optimizer_settings`: the wrapped optimizer's type and param-group settings
-    too (not in an elastic sync, where a joining worker's learning rate is the
-    initial one until broadcast_optimizer_state brings the others').
+    too. Not at construction, where Horovod lets each rank build it with its own
+    settings until hvd.broadcast_optimizer_state brings rank 0's (they are
+    compared at the first step instead), nor in an elastic sync, where a
+    joining worker's learning rate is the initial one until that broadcast.
     """
     compression = getattr(opt.compression, "__qualname__", type(opt.compression).__name__)
     rows = [(opt._names[p], tuple(p.shape), str(p.dtype)) for p in opt._params]
@@ -63,6 +68,16 @@ def signature(opt, optimizer_settings: bool = True) -> list[tuple]:
             for key in sorted(k for k in group if k not in _NOT_SETTINGS):
                 rows.append(("setting", index, key, _settable(group[key])))
     return rows
+
+
+def _words(digest: bytes) -> list[int]:
+    """A SHA-256 digest as 4 int64 numbers (to travel in an int64 tensor)."""
+    return [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in (0, 8, 16, 24)]
+
+
+def signature_digest(rows: list[tuple]) -> list[int]:
+    """SHA-256 of a `signature`, as 4 int64 numbers."""
+    return _words(hashlib.sha256(pickle.dumps(rows)).digest())
 
 
 def check_same_model(comm, rows: list[tuple]) -> None:
@@ -151,7 +166,7 @@ def state_digest(step: int, shared: dict) -> list[int]:
                 h.update(_raw_bytes(item) if torch.is_tensor(item) else repr(item).encode())
         else:
             h.update(repr(value).encode())
-    return [int.from_bytes(h.digest()[i : i + 8], "little", signed=True) for i in (0, 8, 16, 24)]
+    return _words(h.digest())
 
 
 class Agreement:
@@ -160,11 +175,16 @@ class Agreement:
     Args:
         active: this rank is in the optimizer's process set.
         world_size: the process set's size now.
+        check_settings: compare the wrapped optimizer's settings at the first
+            agreement (False under elastic Horovod, whose sync compares the rest).
     """
 
-    def __init__(self, active: bool, world_size: int):
+    def __init__(self, active: bool, world_size: int, check_settings: bool = True):
         self.active = active
         self.pending = active  # agree before the next step's first collective
+        # The wrapped optimizer's settings are still to be compared: at the first
+        # step, after the user's hvd.broadcast_optimizer_state, not at construction.
+        self.settings_due = active and check_settings
         self.loaded = False  # this rank loaded a state since the last agreement
         self.world_size = world_size  # the process set's size at the last agreement
 
@@ -177,7 +197,7 @@ class Agreement:
         """At a step's first hook, before its first collective: agree if due, resized?"""
         if any(SYNC_KEY in group for group in opt.param_groups):
             self._broadcast_ran(opt)
-        if self.pending:
+        if self.pending or self.settings_due:
             self.agree(opt)  # may change the step counter: first
         if opt._comm.size != self.world_size:
             self._resized(opt)
@@ -209,14 +229,23 @@ class Agreement:
         first rank) goes to every rank, with a warning on every rank, instead
         of the ranks disagreeing on warm-up, phase or shapes in the next
         collective (a hang or a shape mismatch).
+
+        The first agreement after construction also compares the wrapped
+        optimizer's type and settings (a digest in the same all-gather): where
+        they differ, every rank raises the same ValueError naming the setting.
         """
         self.pending = False
         opt._guard.request()  # every rank is here: a collective
         digest = state_digest(opt.powersgd_step, opt.compressor.shared_state())
-        mine = torch.tensor([[int(self.loaded), *digest]], dtype=torch.int64)
+        flags = [int(self.loaded), int(self.settings_due)]
+        mine = torch.tensor([[*flags, *signature_digest(signature(opt)), *digest]])
         everyone = opt._comm.allgather(mine, "agree").tolist()
         self.loaded = False
-        if all(row[1:] == everyone[0][1:] for row in everyone):
+        if any(row[1] for row in everyone):  # every rank decides from the same rows
+            self.settings_due = False
+            if any(row[2:6] != everyone[0][2:6] for row in everyone):
+                check_same_model(opt._comm, signature(opt))  # raises on every rank
+        if all(row[6:] == everyone[0][6:] for row in everyone):
             return
         root = next((r for r, row in enumerate(everyone) if row[0]), 0)
         self.broadcast(opt, hvd_comm.members(opt.process_set)[root])

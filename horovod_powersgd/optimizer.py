@@ -76,6 +76,8 @@ class _DistributedOptimizer:
         # Like Horovod: a rank outside the process set trains on its own gradients.
         self._active = comm.included()
         self._names: dict[torch.Tensor, str] = {p: name for name, p in named_parameters}
+        # Horovod's name for the same mapping, which its tests and users' logging read.
+        self._parameter_names = self._names
         # Parameters that get a gradient, in a fixed order (that of param_groups).
         self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         for p in self._params:
@@ -88,9 +90,11 @@ class _DistributedOptimizer:
         # with the settings below before the tuner parses it.
         self._link_setting = link_setting(config)
         # Under elastic Horovod a worker that joins builds its optimizer while
-        # the others wait in the state sync: the check runs there instead.
+        # the others wait in the state sync: the check runs there instead. The
+        # wrapped optimizer's settings are compared at the first step (Agreement),
+        # after the user's hvd.broadcast_optimizer_state, which may make them equal.
         if self._active and not _elastic():
-            check_same_model(comm, signature(self))
+            check_same_model(comm, signature(self, optimizer_settings=False))
         buckets = make_buckets(self._params)
         self.compressor = PowerSGDCompressor(
             [(self._names[p], p) for p in self._params],
@@ -106,10 +110,11 @@ class _DistributedOptimizer:
         self._guard = DriftGuard(
             [(self._names[p], p) for p in self._params], config.drift_check_every, comm
         )
-        self._agreement = Agreement(self._active, comm.size)
+        self._agreement = Agreement(self._active, comm.size, check_settings=not _elastic())
         # --- per step -------------------------------------------------------------------
         self._delay = {p: config.backward_passes_per_step for p in self._params}
         self._pending = False  # a backward pass was counted since the last synchronize()
+        self._was_sparse: set[torch.Tensor] = set()  # sparse_as_dense: densified this step
         self._synchronized = False
         self._should_synchronize = True
         if self._active:
@@ -143,7 +148,13 @@ class _DistributedOptimizer:
                 "compresses dense gradients only: pass sparse_as_dense=True, or use "
                 "nn.Embedding(sparse=False)"
             )
+        self._was_sparse.add(p)
         p.grad = p.grad.to_dense()
+
+    def _restore_sparse(self) -> None:
+        """Hand back sparse what was sparse, as Horovod does (SparseAdam takes only sparse)."""
+        for p in self._was_sparse:
+            p.grad = p.grad.to_sparse()
 
     def _begin_step(self) -> None:
         self._agreement.begin_step(self)  # before the step's first collective
@@ -168,6 +179,7 @@ class _DistributedOptimizer:
             if p not in self._reducer.done:
                 self._ready_without_hook(p)
         self._reducer.finish()
+        self._restore_sparse()
         self.powersgd_step += 1
         self._guard.note_step(self.powersgd_step)
         self._reset_step()
@@ -224,6 +236,7 @@ class _DistributedOptimizer:
         """Forget everything about the step in progress (after it, or on load_state_dict)."""
         self._reducer.reset()
         self._pending = False
+        self._was_sparse = set()
         self._delay = dict.fromkeys(self._params, self.config.backward_passes_per_step)
 
     # --- Horovod's optimizer interface ----------------------------------------------------
@@ -545,7 +558,9 @@ def DistributedOptimizer(
         groups: accepted and validated as Horovod does; every round of a step
             already travels as one fused collective, so it changes nothing sent.
         sparse_as_dense: make sparse gradients (nn.Embedding(sparse=True)) dense,
-            so they are compressed like any other; without it they raise.
+            so they are compressed like any other, and, as Horovod does, hand the
+            aggregate back sparse (`to_sparse()`) before the wrapped optimizer
+            steps, so torch.optim.SparseAdam works; without it they raise.
         process_set: the Horovod process set to reduce over. A rank outside it
             trains on its own gradients, as with Horovod.
         rank: matrix approximation rank r (>= 1), capped at min(n, m) per tensor;
@@ -587,7 +602,11 @@ def DistributedOptimizer(
 
     Raises:
         ValueError: a bad setting, unnamed/duplicate/sparse parameters, or
-            parameters or settings that differ across ranks (raised on every rank).
+            parameters or PowerSGD settings that differ across ranks (raised on
+            every rank). The wrapped optimizer's settings (lr, momentum, ...) may
+            differ when it is built, as in Horovod, until the user's
+            hvd.broadcast_optimizer_state; where they still differ at the first
+            step, that step raises on every rank before its first collective.
 
     Example:
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1 * hvd.size(), momentum=0.9)

@@ -234,15 +234,19 @@ def test_optimizer_state_of_another_layout_on_one_rank_raises_at_the_check_on_ev
     ids=["amsgrad", "momentum"],
 )
 @pytest.mark.parametrize("layers", [1, 3], ids=["one-parameter", "mlp"])
-def test_optimizer_settings_that_differ_across_ranks_fail_at_once_naming_the_setting(
-    setting, make, layers
-):
+def test_optimizer_settings_that_differ_across_ranks_fail_at_the_first_step(setting, make, layers):
+    # Building them so is Horovod's normal path (hvd.broadcast_optimizer_state then
+    # brings rank 0's settings); a first step with them still different fails on
+    # every rank, naming the setting, before any PowerSGD collective.
     torch.manual_seed(0)
     model = nn.Linear(8, 8, bias=False) if layers == 1 else make_model()
+    opt = hps.DistributedOptimizer(
+        make(model.parameters(), hvd.rank()), named_parameters=model.named_parameters()
+    )
+    x = torch.randn(4, 32)[:, : 8 if layers == 1 else 32]
     with pytest.raises(ValueError, match=rf"optimizer setting '{setting}' of param group 0"):
-        hps.DistributedOptimizer(
-            make(model.parameters(), hvd.rank()), named_parameters=model.named_parameters()
-        )
+        model(x).sum().backward()
+    assert opt.compression_stats()["elements_sent"] == 0
 
 
 def test_a_skipped_first_step_after_a_resume_keeps_its_drift_check():

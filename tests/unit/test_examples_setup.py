@@ -115,3 +115,31 @@ def test_lm_checkpoints_from_before_fp16_allreduce_resume_at_its_default(example
     lstm_language_model._same_settings(saved_before, settings)  # both LMs resume through it
     with pytest.raises(ValueError, match="fp16_allreduce: False there, True now"):
         lstm_language_model._same_settings(saved_before, dict(settings, fp16_allreduce=True))
+
+
+class CountingStream:
+    """A stream that keeps every write apart, as a launcher reading a pipe may see them."""
+
+    def __init__(self):
+        self.writes = []
+
+    def write(self, text):
+        self.writes.append(text)
+
+    def flush(self):
+        pass
+
+
+def test_progress_and_log_lines_leave_whole_in_one_write(monkeypatch):
+    # horovodrun tags each piece it reads; a newline written apart from its line
+    # ended `make demo`'s lines in a stray "[1,0]<stderr>:" tag.
+    out, err = CountingStream(), CountingStream()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(common.hvd, "rank", lambda: 0)
+    common.log("epoch 1: done\nFinal: done")
+    assert out.writes == ["epoch 1: done\n", "Final: done\n"]
+    assert list(common._progress_lines(range(20), 20, "epoch 1")) == list(range(20))
+    assert len(err.writes) == 9
+    assert all(w.startswith("epoch 1: ") and w.count("\n") == 1 for w in err.writes)
+    assert all(w.endswith("\n") for w in err.writes)
