@@ -152,8 +152,9 @@ class _DistributedOptimizer:
         p.grad = p.grad.to_dense()
 
     def _restore_sparse(self) -> None:
-        """Hand back sparse what was sparse, as Horovod does (SparseAdam takes only sparse)."""
-        for p in self._was_sparse:
+        """Hand back sparse what arrived sparse, as Horovod does (SparseAdam takes only sparse)."""
+        while self._was_sparse:
+            p = self._was_sparse.pop()
             p.grad = p.grad.to_sparse()
 
     def _begin_step(self) -> None:
@@ -175,11 +176,11 @@ class _DistributedOptimizer:
             return
         if not self._reducer.in_step:
             self._begin_step()
-        for p in self._params:
-            if p not in self._reducer.done:
-                self._ready_without_hook(p)
+        for p in [p for p in self._params if p not in self._reducer.done]:
+            self._ready_without_hook(p)
         self._reducer.finish()
-        self._restore_sparse()
+        if self._was_sparse:  # sparse_as_dense (a dense model's step skips it)
+            self._restore_sparse()
         self.powersgd_step += 1
         self._guard.note_step(self.powersgd_step)
         self._reset_step()
@@ -201,11 +202,10 @@ class _DistributedOptimizer:
         self._gradient_ready(p)
 
     def step(self, closure=None):
-        if self._should_synchronize:
-            if self._synchronized and not self._reducer.in_step:
-                _warn_synchronized_already()
-            else:
-                self.synchronize()
+        if self._should_synchronize and self._synchronized and not self._reducer.in_step:
+            _warn_synchronized_already()
+        elif self._should_synchronize:
+            self.synchronize()
         self._synchronized = False
         result = self._base.step(self, closure)
         if self._guard.pending:
@@ -236,7 +236,6 @@ class _DistributedOptimizer:
         """Forget everything about the step in progress (after it, or on load_state_dict)."""
         self._reducer.reset()
         self._pending = False
-        self._was_sparse = set()
         self._delay = dict.fromkeys(self._params, self.config.backward_passes_per_step)
 
     # --- Horovod's optimizer interface ----------------------------------------------------
@@ -398,6 +397,7 @@ class _DistributedOptimizer:
             check = self.compressor.check_shared_state if shared_only else None
             (check or self.compressor.check_state_dict)(ours["compressor"])
         self._reset_step()
+        self._was_sparse.clear()  # a step cut short: its gradients are not handed back
         self._synchronized = False
         self._should_synchronize = True
         self._base.load_state_dict(self, state_dict)
