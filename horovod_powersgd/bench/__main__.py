@@ -411,7 +411,8 @@ def run_paired(settings: dict, model: str, bandwidth: str) -> list[Record]:
         else:
             outcome = json.loads(out.read_text())
             job = dict(recorded_settings(settings), paired=True, stopped=outcome["stopped"],
-                       rounds=outcome["rounds"], seconds=round(outcome["seconds"]))  # fmt: skip
+                       rounds=outcome["rounds"], seconds=round(outcome["seconds"]),
+                       pause_taken_over_asked=outcome["pause_taken_over_asked"])  # fmt: skip
             for r in outcome["records"]:
                 records.append(Record(**dict(r, settings=dict(job, **r["settings"]))))
             print(f"[bench] stopped ({outcome['stopped']}) after {outcome['rounds']} rounds, "
@@ -508,6 +509,12 @@ def _add_paired_arguments(p: argparse.ArgumentParser) -> None:
         default=900,
         help="--paired: seconds per job (warm-up included) before it stops, if no earlier "
         "every interval its targets need is within +-1 %%",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.01,
+        help="--paired: stop when every needed interval is within +- this fraction",
     )
     p.add_argument(
         "--slowdown",
@@ -631,6 +638,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "min_rounds": args.min_rounds,
         "max_rounds": args.max_rounds,
         "budget_s": args.budget_s,
+        "tolerance": args.tolerance,
         "slowdown": args.slowdown,
     }
     if args.from_json:

@@ -57,6 +57,8 @@ class Contender:
     round_ms: list[float] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)
     sent: dict = field(default_factory=lambda: dict.fromkeys(COUNTED, 0.0))
+    paused_s: list[float] = field(default_factory=lambda: [0.0, 0.0])  # asked, taken
+    pause_debt_s: float = 0.0  # taken beyond asked so far, paid back by the next pauses
 
     @property
     def label(self) -> str:
@@ -81,13 +83,16 @@ def build(config: str, rank: int | None, args) -> Contender:
     return Contender(config, rank, model, opt, counters, slowdown)
 
 
-def _pause(seconds: float) -> None:
-    """Wait ``seconds``: sleep most of it, spin the last millisecond (sleep overshoots)."""
-    end = time.perf_counter() + seconds
-    if seconds > 2e-3:
-        time.sleep(seconds - 1e-3)
-    while time.perf_counter() < end:
-        pass
+def _pause(seconds: float) -> float:
+    """Sleep ``seconds``, as a step waiting on a slow peer would; the seconds it took.
+
+    On a busy machine a sleep ends late (the scheduler's wake-up latency); the caller
+    pays that back from the next pauses.
+    """
+    start = time.perf_counter()
+    if seconds > 0:
+        time.sleep(seconds)
+    return time.perf_counter() - start
 
 
 class Job:
@@ -113,7 +118,13 @@ class Job:
         if hasattr(c.counters, "step"):
             c.counters.step()
         if c.slowdown:
-            _pause(c.slowdown * (time.perf_counter() - start))
+            # On a busy machine the pause can be preempted and end late; carrying the
+            # excess over to the next pauses keeps the slowdown injected the one asked.
+            asked = c.slowdown * (time.perf_counter() - start)
+            taken = _pause(max(0.0, asked - c.pause_debt_s))
+            c.pause_debt_s += taken - asked
+            c.paused_s[0] += asked
+            c.paused_s[1] += taken
         seconds = time.perf_counter() - start
         return self._max([seconds], "step")[0]  # after the timed region: not timed itself
 
@@ -152,6 +163,7 @@ class Job:
                 targets.needed_intervals(records),
                 rounds=rounds,
                 min_rounds=self.args.min_rounds,
+                tolerance=self.args.tolerance,
                 elapsed_s=time.monotonic() - self.started,
                 budget_s=self.args.budget_s,
                 round_s=round_s,
@@ -176,6 +188,11 @@ class Job:
             "rounds": rounds,
             "seconds": time.monotonic() - self.started,
             "warmup_steps": warmup,
+            # The injected pauses as taken over as asked (1.0: exactly the slowdown asked).
+            "pause_taken_over_asked": {
+                c.label: c.paused_s[1] / c.paused_s[0] for c in self.contenders if c.slowdown
+            },
+            "step_ms": {c.label: c.step_ms for c in self.contenders},
         }
 
     def record(self, c: Contender, peak_rss_mb: float = 0.0):
@@ -232,6 +249,7 @@ def main(argv=None) -> None:
     p.add_argument("--min-rounds", type=int, default=8)
     p.add_argument("--max-rounds", type=int, default=1000)
     p.add_argument("--budget-s", type=float, default=900.0)
+    p.add_argument("--tolerance", type=float, default=confidence.TOLERANCE)
     p.add_argument("--slowdown", type=float, default=0.05, help="of horovod-slowed's step")
     p.add_argument("--start-iter", type=int, default=2)
     p.add_argument("--min-compression-rate", type=float, default=2.0)

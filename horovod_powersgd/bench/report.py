@@ -180,10 +180,11 @@ def job_lines(recs: Sequence[Record]) -> list[str]:
     paired = [r for r in recs if r.settings and r.settings.get("paired")]
     if paired:
         s = paired[0].settings
+        tol = s.get("tolerance", 0.01)
         why = {
-            "precise": "every interval its targets need within +-1 %",
+            "precise": f"every interval its targets need within +-{tol:.1%}",
             "budget": f"its time budget ({s.get('budget_s', 0):.0f} s) ran out before every "
-            "interval its targets need was within +-1 %",
+            f"interval its targets need was within +-{tol:.1%}",
             "max rounds": "it reached --max-rounds",
         }.get(s.get("stopped"), s.get("stopped"))
         lines.append(
@@ -198,7 +199,11 @@ def job_lines(recs: Sequence[Record]) -> list[str]:
             interval = c.interval()
             text = str(interval) if interval else f"{c.value():.3f} (no interval)"
             verdict = c.verdict()
-            lines.append(f"Injected {c.expected - 1:.0%} slowdown: measured {text} ({verdict}).")
+            taken = (c.numerator.settings or {}).get("pause_taken_over_asked", {})
+            pauses = f"; pauses taken / asked {taken[label(c.numerator)]:.3f}" if taken else ""
+            lines.append(
+                f"Injected {c.expected - 1:.0%} slowdown: measured {text} ({verdict}{pauses})."
+            )
     return lines
 
 
@@ -359,7 +364,7 @@ def describe_settings(settings: dict) -> str:
             "time is the median of its steps, a step's the slowest worker's. `x horovod` and "
             "`x local` are medians of per-round ratios with 95 % percentile-bootstrap "
             "intervals over rounds (2000 resamples, seed 0). A job stops when every interval "
-            "its targets need is within +-1 % (at least "
+            f"its targets need is within +-{settings.get('tolerance', 0.01):.1%} (at least "
             f"{settings['min_rounds']} rounds) or before its {settings['budget_s']:.0f} s "
             "budget runs out. Peak RSS is the whole job's (all configurations share it)."
         )
@@ -393,7 +398,7 @@ def settings_lines(records: Sequence[Record]) -> list[str]:
 
 
 # What differs from one job to the next of the same settings: shown per job, not here.
-JOB_OUTCOME = ("stopped", "rounds", "seconds", "slowdown")
+JOB_OUTCOME = ("stopped", "rounds", "seconds", "slowdown", "pause_taken_over_asked")
 
 
 COST_MODEL_ASSUMPTIONS = """\
