@@ -420,7 +420,10 @@ def run_paired(settings: dict, model: str, bandwidth: str) -> list[Record]:
     separate = dict(recorded_settings(settings), paired=False)
     for config, rank in settings["plan"]:
         if config in DDP_CONFIGS:  # cannot share a process with Horovod: a job of its own
+            print(f"[bench] {bandwidth:>9} {model:8} {config} r{rank}, a job of its own ...",
+                  end="", file=sys.stderr, flush=True)  # fmt: skip
             reports = run_config(config, rank, model, settings, bandwidth)
+            print(file=sys.stderr)
             if reports is not None:
                 one = pool_runs(config, rank, model, settings["np"], bandwidth, [reports])
                 records.append(dataclasses.replace(one, settings=separate))
