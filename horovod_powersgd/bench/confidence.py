@@ -112,7 +112,7 @@ def is_precise(interval: Interval, tolerance: float = TOLERANCE) -> bool:
 
 
 def stop_reason(
-    intervals: Sequence[Interval],
+    intervals: Sequence[Interval] | None,
     *,
     rounds: int,
     min_rounds: int,
@@ -125,18 +125,31 @@ def stop_reason(
 
     Stops when every needed interval is precise (after ``min_rounds`` at least: a
     bootstrap of a handful of rounds is too coarse to trust), or when one more round
-    (it took ``round_s`` last time) would end past ``budget_s``.
+    (it took ``round_s`` last time) would end past ``budget_s``. ``intervals`` None: not
+    computed this round (the bootstrap costs time; see ``check_due``), only the budget counts.
 
     Example:
         >>> stop_reason([Interval(1.0, 0.995, 1.005)], rounds=10, min_rounds=8,
         ...             elapsed_s=60, budget_s=900, round_s=6)
         'precise'
     """
-    if rounds >= min_rounds and all(is_precise(i, tolerance) for i in intervals):
+    checked = intervals is not None and rounds >= min_rounds
+    if checked and all(is_precise(i, tolerance) for i in intervals):
         return "precise"
     if elapsed_s + round_s > budget_s:
         return "budget"
     return None
+
+
+def check_due(rounds: int, min_rounds: int) -> bool:
+    """Whether to bootstrap the intervals after this round: from ``min_rounds`` on, every
+    tenth of the rounds so far, so the checks cost a bounded share of the job.
+
+    Example:
+        >>> [r for r in range(1, 40) if check_due(r, 8)]
+        [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 22, 24, 26, 28, 30, 33, 36, 39]
+    """
+    return rounds >= min_rounds and rounds % max(1, rounds // 10) == 0
 
 
 def verdict(interval: Interval, limit: float) -> str:

@@ -158,9 +158,11 @@ class Job:
         """Rank 0 decides whether to stop; every rank learns it."""
         code = 0.0
         if self.hvd.rank() == 0:
-            records = [self.record(c) for c in self.contenders]
+            intervals = None
+            if confidence.check_due(rounds, self.args.min_rounds):
+                intervals = targets.needed_intervals([self.record(c) for c in self.contenders])
             reason = confidence.stop_reason(
-                targets.needed_intervals(records),
+                intervals,
                 rounds=rounds,
                 min_rounds=self.args.min_rounds,
                 tolerance=self.args.tolerance,

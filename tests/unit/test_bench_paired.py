@@ -3,6 +3,7 @@
 Deterministic: fixed seeds and made-up rounds, no timing.
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -62,6 +63,10 @@ def test_stop_when_every_needed_interval_is_precise_after_the_minimum_rounds():
     assert confidence.stop_reason([narrow, narrow], rounds=8, min_rounds=8, **common) == "precise"
     assert confidence.stop_reason([narrow, wide], rounds=8, min_rounds=8, **common) is None
     assert confidence.stop_reason([narrow], rounds=3, min_rounds=8, **common) is None
+    # Intervals not computed this round: only the budget can stop it.
+    assert confidence.stop_reason(None, rounds=20, min_rounds=8, **common) is None
+    assert confidence.check_due(8, 8) and not confidence.check_due(7, 8)
+    assert sum(confidence.check_due(r, 8) for r in range(1, 1001)) < 120  # bounded cost
 
 
 def test_stop_before_the_next_round_would_overrun_the_budget():
@@ -183,3 +188,27 @@ def test_paired_job_runs_every_horovod_configuration_in_one_launch_and_leaves_dd
     assert "ddp" not in plan and '["powersgd", 2]' in plan
     assert argv[argv.index("--bandwidth") + 1] == "50mbit"
     assert argv[argv.index("--budget-s") + 1] == "60.0"
+
+
+def test_report_renders_the_settings_the_records_carry_not_the_command_line(tmp_path):
+    from horovod_powersgd.bench import report
+
+    job = dict(
+        np=2, batch_size=96, warmup_steps=15, block_steps=3, min_rounds=8, budget_s=900.0,
+        tolerance=0.01, threads=1, controller="mpi", start_iter=2, min_compression_rate=2.0,
+        paired=True, stopped="budget", rounds=12, seconds=880,
+    )  # fmt: skip
+    plain = [100.0, 101.0, 99.0]
+    records = [
+        _rec("horovod", None, plain, settings=dict(job)),
+        _rec("horovod-slowed", None, [x * 1.05 for x in plain], settings=dict(job, slowdown=0.05)),
+    ]
+    path = tmp_path / "report.md"
+    report.write_markdown(records, path, command="make bench")
+    text = path.read_text()
+    assert "batch 96 per worker" in text and "Paired:" in text
+    assert "stopped after 12 rounds, 880 s: its time budget (900 s) ran out" in text
+    assert "Injected 5% slowdown: measured 1.050" in text
+    old = [dataclasses.replace(r, settings=None) for r in records]
+    report.write_markdown(old, path, command="make bench")
+    assert "not recorded" in path.read_text()
