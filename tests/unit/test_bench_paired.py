@@ -66,7 +66,7 @@ def test_stop_when_every_needed_interval_is_precise_after_the_minimum_rounds():
     # Intervals not computed this round: only the budget can stop it.
     assert confidence.stop_reason(None, rounds=20, min_rounds=8, **common) is None
     assert confidence.check_due(8, 8) and not confidence.check_due(7, 8)
-    assert sum(confidence.check_due(r, 8) for r in range(1, 1001)) < 120  # bounded cost
+    assert sum(confidence.check_due(r, 8) for r in range(1, 1001)) <= 130  # bounded cost
 
 
 def test_stop_before_the_next_round_would_overrun_the_budget():
