@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -57,8 +58,9 @@ class Contender:
     round_ms: list[float] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)
     sent: dict = field(default_factory=lambda: dict.fromkeys(COUNTED, 0.0))
-    paused_s: list[float] = field(default_factory=lambda: [0.0, 0.0])  # asked, taken
-    pause_debt_s: float = 0.0  # taken beyond asked so far, paid back by the next pauses
+    # horovod-slowed: every pause's taken / asked, and how late its recent sleeps woke.
+    pause_ratios: list[float] = field(default_factory=list)
+    late_s: deque = field(default_factory=lambda: deque(maxlen=51))
 
     @property
     def label(self) -> str:
@@ -87,7 +89,7 @@ def _pause(seconds: float) -> float:
     """Sleep ``seconds``, as a step waiting on a slow peer would; the seconds it took.
 
     On a busy machine a sleep ends late (the scheduler's wake-up latency); the caller
-    pays that back from the next pauses.
+    asks for that much less.
     """
     start = time.perf_counter()
     if seconds > 0:
@@ -118,13 +120,15 @@ class Job:
         if hasattr(c.counters, "step"):
             c.counters.step()
         if c.slowdown:
-            # On a busy machine the pause can be preempted and end late; carrying the
-            # excess over to the next pauses keeps the slowdown injected the one asked.
+            # A sleep on a busy machine wakes late, typically by a fraction of a
+            # millisecond: ask for the typical lateness less, so that the typical step (the
+            # block's median) is slowed by the fraction asked.
             asked = c.slowdown * (time.perf_counter() - start)
-            taken = _pause(max(0.0, asked - c.pause_debt_s))
-            c.pause_debt_s += taken - asked
-            c.paused_s[0] += asked
-            c.paused_s[1] += taken
+            typical_late = confidence.median(c.late_s) if c.late_s else 0.0
+            request = max(0.0, asked - typical_late)
+            taken = _pause(request)
+            c.late_s.append(taken - request)
+            c.pause_ratios.append(taken / asked)
         seconds = time.perf_counter() - start
         return self._max([seconds], "step")[0]  # after the timed region: not timed itself
 
@@ -190,9 +194,9 @@ class Job:
             "rounds": rounds,
             "seconds": time.monotonic() - self.started,
             "warmup_steps": warmup,
-            # The injected pauses as taken over as asked (1.0: exactly the slowdown asked).
+            # The typical pause taken over asked (1.0: the slowdown asked, step by step).
             "pause_taken_over_asked": {
-                c.label: c.paused_s[1] / c.paused_s[0] for c in self.contenders if c.slowdown
+                c.label: confidence.median(c.pause_ratios) for c in self.contenders if c.slowdown
             },
             "step_ms": {c.label: c.step_ms for c in self.contenders},
         }

@@ -200,7 +200,8 @@ def job_lines(recs: Sequence[Record]) -> list[str]:
             text = str(interval) if interval else f"{c.value():.3f} (no interval)"
             verdict = c.verdict()
             taken = (c.numerator.settings or {}).get("pause_taken_over_asked", {})
-            pauses = f"; pauses taken / asked {taken[label(c.numerator)]:.3f}" if taken else ""
+            median = taken.get(label(c.numerator))
+            pauses = f"; pause taken / asked, median {median:.3f}" if median else ""
             lines.append(
                 f"Injected {c.expected - 1:.0%} slowdown: measured {text} ({verdict}{pauses})."
             )

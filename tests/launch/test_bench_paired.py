@@ -50,8 +50,8 @@ def test_paired_job_measures_an_injected_five_percent_slowdown(tmp_path, busy):
     ran = f"{settings['rounds']} rounds in {seconds:.0f} s, stopped: {settings['stopped']}"
     print(f"busy={busy}: measured {interval} ({ran})")
     assert "Injected 5% slowdown: measured" in log, log[-2000:]
-    # The pauses were the slowdown asked for (a late one is paid back by the next ones).
-    assert settings["pause_taken_over_asked"]["horovod-slowed"] == pytest.approx(1.0, abs=0.01)
+    # The typical pause was the one asked for (a sleep's typical lateness asked less).
+    assert settings["pause_taken_over_asked"]["horovod-slowed"] == pytest.approx(1.0, abs=0.02)
     budget = " (its budget ran out first)" if settings["stopped"] == "budget" else ""
     assert interval.lo <= 1.05 <= interval.hi, f"1.05 outside {interval}{budget}; {ran}"
     assert interval.lo > 1.0, f"1.00 inside {interval}: slowdown not resolved{budget}; {ran}"
