@@ -100,39 +100,62 @@ demo: setup
 convergence: setup
 	$(PY) scripts/convergence.py $(CONVERGENCE_ARGS)
 
-# Speed and bytes, 2 workers, every configuration side by side at unlimited,
-# 200 Mbit/s and 50 Mbit/s (tc-capped network namespaces): ResNet-18 at rank 2
-# and the LSTM at rank 4, both schedules (rounds=2 `powersgd`, rounds=1
-# `powersgd-1round`) against local training, plain Horovod and torch's
-# powerSGD_hook, and a model of 300 layers of distinct shapes (unlimited only)
-# -> docs/benchmarks.md + .png. `powersgd-nostats` (layer_stats=False) beside
-# `powersgd` gives the cost of the per-layer statistics. Plain Horovod's LSTM at 50 Mbit/s
-# is left out (over 30 s a step). About an hour on 2 cores with BENCH_REPEAT=2,
-# so not part of `make test`; nothing else may run meanwhile.
+# Speed and bytes, 2 workers: one paired job per model and link (issue 47), every Horovod
+# configuration in it (local, plain, fp16, PowerSGD at BENCH_RANKS in both schedules, rank="auto"
+# in both), each with its own model copy, visited in interleaved blocks; every ratio (x local,
+# x horovod, the targets) a median of per-round ratios with its 95 % interval. A job stops when
+# the intervals its targets need are within +-1 %, or at BENCH_BUDGET_S (15 minutes), and the
+# report says which. ResNet-18, the LSTM and the small GPT at four links, the many-shapes model
+# unlimited only; any subset: make bench BENCH_MODELS="gpt" BENCH_LINKS="unlimited 50mbit".
+# At unlimited also the fp16 variants (bytes) and powersgd-nostats (the statistics' cost);
+# torch's powerSGD_hook (ddp-powersgd) cannot share a process with Horovod: a job of its own,
+# reported without interval. Plain Horovod and its fp16 are left out where a step takes
+# several seconds (ResNet-18 and the LSTM at 50 Mbit/s, the LSTM at 200 Mbit/s): their warm-up
+# alone would take the budget. Records: docs/results/bench/MODEL-LINK.json; reports:
+# docs/benchmarks-MODEL.md per model and docs/benchmarks.md (all). Up to 15 minutes a job,
+# about 2.5 hours for all 13; nothing else may run meanwhile (the pairing cancels load that
+# hits every configuration alike, not all of it).
+BENCH_MODELS ?= resnet18 lstm gpt manyshapes
+BENCH_LINKS ?= unlimited 1gbit 200mbit 50mbit
+BENCH_BUDGET_S ?= 900
+BENCH_RANKS ?= 1,2,4
+BENCH_RECORDS := docs/results/bench
+BENCH_PAIRED = -np 2 --paired --warmup-steps 15 --block-steps 3 --steps 10 \
+	--budget-s $(BENCH_BUDGET_S) --ranks $(BENCH_RANKS)
+# Per job: the fp16, statistics and DDP-hook rows at rank 2 (the LSTM's 4, as today's targets).
+bench: setup
+	mkdir -p $(BENCH_RECORDS)
+	failed=""; \
+	for model in $(BENCH_MODELS); do \
+		for link in $(BENCH_LINKS); do \
+			if [ $$model = manyshapes ] && [ $$link != unlimited ]; then continue; fi; \
+			rank=2; if [ $$model = lstm ]; then rank=4; fi; \
+			configs=local; \
+			case $$model-$$link in \
+				resnet18-50mbit|lstm-50mbit|lstm-200mbit) ;; \
+				*) configs=$$configs,horovod,horovod-fp16;; \
+			esac; \
+			if [ $$link = unlimited ]; then \
+				configs=$$configs,powersgd-fp16,powersgd-1round-fp16,powersgd-nostats; fi; \
+			oneround=$$(echo $(BENCH_RANKS) | sed 's/\([0-9][0-9]*\)/powersgd-1round:\1/g'); \
+			configs=$$configs,powersgd,$$oneround,powersgd-auto,powersgd-1round-auto,ddp-powersgd; \
+			$(PY) -m horovod_powersgd.bench $(BENCH_PAIRED) --models $$model --bandwidth $$link \
+				--compare-rank $$rank --configs $$configs \
+				--json $(BENCH_RECORDS)/$$model-$$link.json || failed="$$failed $$model-$$link"; \
+		done; \
+		$(PY) -m horovod_powersgd.bench --from-json $(BENCH_RECORDS)/$$model-*.json \
+			--command-line "make bench BENCH_MODELS=$$model" --markdown docs/benchmarks-$$model.md; \
+	done; \
+	$(PY) -m horovod_powersgd.bench --from-json $(BENCH_RECORDS)/*.json --command-line "make bench" \
+		--plot docs/benchmarks.png --markdown docs/benchmarks.md; \
+	if [ -n "$$failed" ]; then echo "[bench] failed or incomplete:$$failed" >&2; exit 1; fi
+
+# bench-auto is now part of `make bench` (rank="auto" runs in every paired job).
+bench-auto: bench
+
+# The old runs, every configuration a job of its own; bench-overheads still uses them.
 BENCH_REPEAT ?= 2
 BENCH_COMMON = -np 2 --warmup-steps 3 --steps 10 --repeat $(BENCH_REPEAT)
-BENCH_RESNET = $(BENCH_COMMON) --models resnet18 --bandwidth unlimited,200mbit,50mbit \
-	--configs local,horovod,powersgd:2,powersgd-1round:2,ddp-powersgd:2,powersgd-nostats:2
-BENCH_LSTM = $(BENCH_COMMON) --models lstm --compare-rank 4 --bandwidth unlimited,200mbit \
-	--configs local,horovod,powersgd:4,powersgd-1round:4,ddp-powersgd:4,powersgd-nostats:4
-BENCH_LSTM_50 = $(BENCH_COMMON) --models lstm --compare-rank 4 --bandwidth 50mbit \
-	--configs local,powersgd:4,powersgd-1round:4,ddp-powersgd:4
-# Many distinct layer shapes (issue 23): the local math's per-shape overhead, unlimited.
-BENCH_MANY = $(BENCH_COMMON) --models manyshapes --bandwidth unlimited \
-	--configs local,horovod,powersgd:2,powersgd-1round:2
-# Bytes are the same at any speed: the float16 variants run once, unlimited.
-BENCH_FP16 = -np 2 --warmup-steps 3 --steps 2 --models resnet18 \
-	--configs powersgd-fp16:2,powersgd-1round-fp16:2
-bench: setup
-	mkdir -p build
-	$(PY) -m horovod_powersgd.bench $(BENCH_RESNET) --json build/bench-resnet18.json
-	$(PY) -m horovod_powersgd.bench $(BENCH_LSTM) --json build/bench-lstm.json
-	$(PY) -m horovod_powersgd.bench $(BENCH_LSTM_50) --json build/bench-lstm-50.json
-	$(PY) -m horovod_powersgd.bench $(BENCH_FP16) --json build/bench-fp16.json
-	$(PY) -m horovod_powersgd.bench $(BENCH_MANY) --json build/bench-many.json
-	$(PY) -m horovod_powersgd.bench $(BENCH_COMMON) --from-json build/bench-resnet18.json build/bench-lstm.json \
-		build/bench-lstm-50.json build/bench-fp16.json build/bench-many.json --command-line "make bench" \
-		--plot docs/benchmarks.png --markdown docs/benchmarks.md
 
 # The overheads alone, unlimited bandwidth (about 10 minutes; nothing else may run):
 # per-layer statistics on / off (ResNet-18, LSTM) and the many-shapes model against
@@ -148,36 +171,6 @@ bench-overheads: setup
 	$(PY) -m horovod_powersgd.bench $(BENCH_COMMON) --from-json build/bench-overheads.json \
 		build/bench-overheads-lstm.json --command-line "make bench-overheads" \
 		--markdown docs/benchmarks-overheads.md
-
-# rank="auto" beside every fixed configuration (plain, fp16, PowerSGD at ranks 1-16 in both
-# schedules) at four links, on ResNet-18, the LSTM and the small GPT: one report per model,
-# docs/benchmarks-auto-MODEL.md with auto's targets, its records kept in docs/results/bench-auto/
-# (a report can be rendered again from them; docs/benchmarks-auto.md sums the three up).
-# Plain Horovod's LSTM at 50 Mbit/s, fp32 and fp16, is left out (over 30 s a step).
-# 15 untimed steps for every configuration: the GPT's step time settles only after about 10
-# (auto takes its own 40 to measure, try and settle; docs/benchmarks-auto.md).
-# Hours on 2 cores; nothing else may run meanwhile. BENCH_AUTO_MODELS picks models.
-BENCH_AUTO_CONFIGS := local,horovod,horovod-fp16,powersgd,powersgd-1round:1,powersgd-1round:2
-BENCH_AUTO_CONFIGS := $(BENCH_AUTO_CONFIGS),powersgd-1round:4,powersgd-1round:8,powersgd-1round:16
-BENCH_AUTO_CONFIGS := $(BENCH_AUTO_CONFIGS),powersgd-auto,powersgd-1round-auto
-BENCH_AUTO_COMMON = -np 2 --warmup-steps 15 --steps 10 --repeat $(BENCH_REPEAT) --ranks 1,2,4,8,16
-BENCH_AUTO_MODELS ?= resnet18 lstm gpt
-BENCH_AUTO_RECORDS := docs/results/bench-auto
-bench-auto: setup
-	mkdir -p $(BENCH_AUTO_RECORDS)
-	for model in $(BENCH_AUTO_MODELS); do \
-		$(PY) -m horovod_powersgd.bench $(BENCH_AUTO_COMMON) --models $$model \
-			--bandwidth unlimited,1gbit,200mbit --configs $(BENCH_AUTO_CONFIGS) \
-			--json $(BENCH_AUTO_RECORDS)/$$model.json; \
-		configs=$(BENCH_AUTO_CONFIGS); \
-		if [ $$model = lstm ]; then configs=$${configs/horovod,horovod-fp16,/}; fi; \
-		$(PY) -m horovod_powersgd.bench $(BENCH_AUTO_COMMON) --models $$model \
-			--bandwidth 50mbit --configs $$configs --json $(BENCH_AUTO_RECORDS)/$$model-50.json; \
-		$(PY) -m horovod_powersgd.bench $(BENCH_AUTO_COMMON) --from-json \
-			$(BENCH_AUTO_RECORDS)/$$model.json $(BENCH_AUTO_RECORDS)/$$model-50.json \
-			--command-line "make bench-auto BENCH_AUTO_MODELS=$$model" \
-			--markdown docs/benchmarks-auto-$$model.md; \
-	done
 
 # The GPU check (docs/gpu.md). gpu-bundle fetches what the device machine lacks
 # (Horovod's sdist, the wheels Horovod needs for Python 3.12 there) into build/gpu-bundle,

@@ -7,6 +7,10 @@ Examples::
         --json bench.json --plot bench.png
     # a quick look at two configurations
     python -m horovod_powersgd.bench --configs horovod,powersgd:2 --steps 5
+    # paired: every configuration in one job per link, ratios with 95 % intervals, stop when
+    # the targets' intervals are within +-1 % or after 15 minutes
+    python -m horovod_powersgd.bench --paired --models gpt --bandwidth unlimited,50mbit \\
+        --configs local,horovod,horovod-fp16,powersgd:2,powersgd-auto --budget-s 900
 
 Configurations (``--configs``, comma separated; ``NAME:R`` picks a PowerSGD rank):
   local          each worker trains alone, no communication (the lower bound)
@@ -19,6 +23,10 @@ Configurations (``--configs``, comma separated; ``NAME:R`` picks a PowerSGD rank
   powersgd-nostats
                  powersgd with layer_stats=False (rank --compare-rank): beside powersgd,
                  the cost of the per-layer statistics and the early warning
+  powersgd-auto, powersgd-1round-auto
+                 rank="auto", both schedules (warm-up: until its tuner settles, >= 40 steps)
+  horovod-slowed (--paired only) plain Horovod that sleeps --slowdown of its own step: the
+                 proof that a paired job measures a slowdown of that size
   ddp            torch DistributedDataParallel over Gloo, plain all-reduce
   ddp-powersgd   DDP + torch's powerSGD_hook (rank --compare-rank), same start_iter
                  and min_compression_rate as powersgd
@@ -27,6 +35,7 @@ Configurations (``--configs``, comma separated; ``NAME:R`` picks a PowerSGD rank
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -38,7 +47,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import report
+from . import report, targets
 from .models import MODELS
 from .netcap import (
     BandwidthCapError,
@@ -47,9 +56,11 @@ from .netcap import (
     parse_bandwidth,
     tc_commands,
 )
+from .paired import PAIRED_CONFIGS, describe_plan
 from .stats import Record, make_record
 from .worker import CONFIGS, DDP_CONFIGS, HOROVOD_CONFIGS
 
+KNOWN = tuple(dict.fromkeys((*CONFIGS, *PAIRED_CONFIGS)))
 DEFAULT_CONFIGS = "local,horovod,horovod-fp16,powersgd,powersgd-fp16,ddp,ddp-powersgd"
 RANKED = (
     "powersgd",
@@ -73,8 +84,8 @@ def parse_configs(
     plan: list[tuple[str, int | None]] = []
     for token in filter(None, (t.strip() for t in text.split(","))):
         name, _, rank_text = token.partition(":")
-        if name not in CONFIGS:
-            raise ValueError(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
+        if name not in KNOWN:
+            raise ValueError(f"unknown configuration {name!r}; choose from {', '.join(KNOWN)}")
         if rank_text:
             if name not in RANKED:
                 raise ValueError(f"{name} has no PowerSGD rank; drop ':{rank_text}'")
@@ -112,6 +123,61 @@ def _worker_env(settings: dict) -> dict[str, str]:
     return env
 
 
+def horovod_launcher(settings: dict, env: dict[str, str]) -> list[str]:
+    """``mpirun ...`` or ``horovodrun --gloo ...`` for ``settings["np"]`` ranks on this host."""
+    np_ = settings["np"]
+    if settings["controller"] == "mpi":
+        # btl tcp,self: shared memory (vader) would bypass the bandwidth cap.
+        argv = [
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            str(np_),
+            "--bind-to",
+            "none",
+            "--map-by",
+            "slot",
+            "--mca",
+            "btl",
+            "tcp,self",
+            "--mca",
+            "btl_tcp_if_include",
+            "lo",
+            "--mca",
+            "oob_tcp_if_include",
+            "lo",
+            # Waiting ranks yield the core instead of busy-polling it: with every
+            # core already running a worker, a spinning wait slows the others.
+            "--mca",
+            "mpi_yield_when_idle",
+            "1",
+        ]
+        for var in (
+            "OMP_NUM_THREADS",
+            "MKL_NUM_THREADS",
+            "PYTHONUNBUFFERED",
+            "PATH",
+            "HOROVOD_CYCLE_TIME",
+            "HOROVOD_FUSION_THRESHOLD",
+            "PYTHONPATH",
+        ):
+            if var in env:
+                argv += ["-x", var]
+        return argv
+    horovodrun = shutil.which("horovodrun", path=str(Path(sys.executable).parent))
+    return [
+        horovodrun or "horovodrun",
+        "-np",
+        str(np_),
+        "-H",
+        f"localhost:{np_}",
+        "--gloo",
+        "--network-interface",
+        "lo",
+    ]
+
+
 def launch_commands(
     config: str, rank: int | None, model: str, settings: dict, out_dir: Path
 ) -> list[tuple[list[str], dict[str, str]]]:
@@ -144,57 +210,7 @@ def launch_commands(
     ]
     env = _worker_env(settings)
     if config in HOROVOD_CONFIGS:
-        if settings["controller"] == "mpi":
-            # btl tcp,self: shared memory (vader) would bypass the bandwidth cap.
-            argv = [
-                "mpirun",
-                "--allow-run-as-root",
-                "--oversubscribe",
-                "-np",
-                str(np_),
-                "--bind-to",
-                "none",
-                "--map-by",
-                "slot",
-                "--mca",
-                "btl",
-                "tcp,self",
-                "--mca",
-                "btl_tcp_if_include",
-                "lo",
-                "--mca",
-                "oob_tcp_if_include",
-                "lo",
-                # Waiting ranks yield the core instead of busy-polling it: with every
-                # core already running a worker, a spinning wait slows the others.
-                "--mca",
-                "mpi_yield_when_idle",
-                "1",
-            ]
-            for var in (
-                "OMP_NUM_THREADS",
-                "MKL_NUM_THREADS",
-                "PYTHONUNBUFFERED",
-                "PATH",
-                "HOROVOD_CYCLE_TIME",
-                "HOROVOD_FUSION_THRESHOLD",
-                "PYTHONPATH",
-            ):
-                if var in env:
-                    argv += ["-x", var]
-        else:
-            horovodrun = shutil.which("horovodrun", path=str(Path(sys.executable).parent))
-            argv = [
-                horovodrun or "horovodrun",
-                "-np",
-                str(np_),
-                "-H",
-                f"localhost:{np_}",
-                "--gloo",
-                "--network-interface",
-                "lo",
-            ]
-        return [(argv + worker, env)]
+        return [(horovod_launcher(settings, env) + worker, env)]
     procs = []
     port = str(_free_port())
     for r in range(np_):
@@ -278,8 +294,7 @@ def _auto_detail(reports) -> str:
     if "plan" not in report:
         return ""
     link = report["link"]
-    plan = " ".join("p" if r == 0 else str(r) for r in report["plan"])
-    return f"plan [{plan}], link {link['mbit_s']:.0f} Mbit/s {link['latency_ms']:.2f} ms"
+    return describe_plan(report["plan"], link["mbit_s"] / 8e-6, link["latency_ms"] / 1e3)
 
 
 def run_order(plan: Sequence, rounds: int) -> list:
@@ -302,6 +317,10 @@ def run_order(plan: Sequence, rounds: int) -> list:
 def run_suite(settings: dict, bandwidth: str) -> list[Record]:
     """Every model x configuration at one bandwidth, in the current network namespace."""
     records = []
+    if settings.get("paired"):
+        for model in settings["models"]:
+            records += run_paired(settings, model, bandwidth)
+        return records
     rounds = settings.get("repeat", 1)
     for model in settings["models"]:
         runs: dict[tuple, list] = {tuple(entry): [] for entry in settings["plan"]}
@@ -328,7 +347,86 @@ def run_suite(settings: dict, bandwidth: str) -> list[Record]:
             print(f" {status} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
         for (config, rank), done in runs.items():
             if (config, rank) not in failed:
-                records.append(pool_runs(config, rank, model, settings["np"], bandwidth, done))
+                pooled = pool_runs(config, rank, model, settings["np"], bandwidth, done)
+                records.append(dataclasses.replace(pooled, settings=recorded_settings(settings)))
+    return records
+
+
+# What the report says about how a job ran, kept with its records (--from-json renders it).
+NOT_RECORDED = ("models", "plan", "timeout_s", "bandwidth")
+
+
+def recorded_settings(settings: dict) -> dict:
+    return {k: v for k, v in settings.items() if k not in NOT_RECORDED}
+
+
+def paired_command(model: str, settings: dict, bandwidth: str, out_dir: Path):
+    """The launcher line of one paired job (every configuration that can share a process)."""
+    plan = [[c, r] for c, r in settings["plan"] if c not in DDP_CONFIGS]
+    env = _worker_env(settings)
+    job = [
+        sys.executable,
+        "-m",
+        "horovod_powersgd.bench.paired",
+        "--model",
+        model,
+        "--plan",
+        json.dumps(plan),
+        "--bandwidth",
+        bandwidth,
+        "--out-dir",
+        str(out_dir),
+    ]
+    for key in (
+        "batch_size",
+        "warmup_steps",
+        "block_steps",
+        "min_rounds",
+        "max_rounds",
+        "budget_s",
+        "slowdown",
+        "start_iter",
+        "min_compression_rate",
+        "threads",
+    ):
+        job += ["--" + key.replace("_", "-"), str(settings[key])]
+    return horovod_launcher(settings, env) + job, env  # fmt: skip
+
+
+def run_paired(settings: dict, model: str, bandwidth: str) -> list[Record]:
+    """One paired job for ``model`` at ``bandwidth``; then the DDP ones, a job each."""
+    print(f"[bench] {bandwidth:>9} {model:8} paired job ...", file=sys.stderr, flush=True)
+    records: list[Record] = []
+    with tempfile.TemporaryDirectory(prefix="hps-bench-") as tmp:
+        argv, env = paired_command(model, settings, bandwidth, Path(tmp))
+        timeout = settings["budget_s"] + settings["timeout_s"]
+        try:
+            proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+            failed, log = proc.returncode != 0, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as err:
+            failed, log = True, f"{err.stdout or ''}{err.stderr or ''}\nkilled after {timeout} s"
+        out = Path(tmp) / "paired.json"
+        if failed or not out.exists():
+            print(f"[bench] paired job FAILED:\n{log[-3000:]}", file=sys.stderr)
+        else:
+            outcome = json.loads(out.read_text())
+            job = dict(recorded_settings(settings), paired=True, stopped=outcome["stopped"],
+                       rounds=outcome["rounds"], seconds=round(outcome["seconds"]),
+                       pause_taken_over_asked=outcome["pause_taken_over_asked"])  # fmt: skip
+            for r in outcome["records"]:
+                records.append(Record(**dict(r, settings=dict(job, **r["settings"]))))
+            print(f"[bench] stopped ({outcome['stopped']}) after {outcome['rounds']} rounds, "
+                  f"{outcome['seconds']:.0f} s", file=sys.stderr)  # fmt: skip
+    separate = dict(recorded_settings(settings), paired=False)
+    for config, rank in settings["plan"]:
+        if config in DDP_CONFIGS:  # cannot share a process with Horovod: a job of its own
+            print(f"[bench] {bandwidth:>9} {model:8} {config} r{rank}, a job of its own ...",
+                  end="", file=sys.stderr, flush=True)  # fmt: skip
+            reports = run_config(config, rank, model, settings, bandwidth)
+            print(file=sys.stderr)
+            if reports is not None:
+                one = pool_runs(config, rank, model, settings["np"], bandwidth, [reports])
+                records.append(dataclasses.replace(one, settings=separate))
     return records
 
 
@@ -373,7 +471,7 @@ def describe_environment(started: str, load_before, load_after) -> str:
     )
 
 
-def render(records, args, settings: dict, command: str, environment) -> None:
+def render(records, args, command: str, environment) -> None:
     """Table on stdout, then the --plot and --markdown outputs that were asked for.
 
     ``environment`` is called only when a report is written (it reads the load).
@@ -386,10 +484,47 @@ def render(records, args, settings: dict, command: str, environment) -> None:
             records,
             args.markdown,
             command=command,
-            settings=settings,
             plot=args.plot,
             environment=environment(),
         )
+
+
+def _check_paired(plan, paired: bool) -> None:
+    """horovod-slowed means something only beside plain Horovod in one paired job."""
+    configs = {c for c, _ in plan}
+    if targets.SLOWED in configs and not (paired and "horovod" in configs):
+        raise ValueError(f"{targets.SLOWED} needs --paired and horovod in --configs")
+
+
+def _add_paired_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--paired",
+        action="store_true",
+        help="one job per model and link: every configuration in it, visited in interleaved "
+        "blocks, ratios with 95 %% intervals (DDP ones still run as jobs of their own)",
+    )
+    p.add_argument("--block-steps", type=int, default=3, help="--paired: timed steps per block")
+    p.add_argument("--min-rounds", type=int, default=8, help="--paired: rounds before a stop")
+    p.add_argument("--max-rounds", type=int, default=1000, help="--paired: at most")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=900,
+        help="--paired: seconds per job (warm-up included) before it stops, if no earlier "
+        "every interval its targets need is within +-1 %%",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.01,
+        help="--paired: stop when every needed interval is within +- this fraction",
+    )
+    p.add_argument(
+        "--slowdown",
+        type=float,
+        default=0.05,
+        help="--paired: horovod-slowed sleeps this fraction of its own step",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -424,6 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="uncompressed steps first (torch's hook needs >= 2)",
     )
     p.add_argument("--min-compression-rate", type=float, default=2.0)
+    _add_paired_arguments(p)
     p.add_argument(
         "--controller",
         choices=("mpi", "gloo"),
@@ -477,8 +613,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
         if args.warmup_steps <= args.start_iter:
             raise ValueError("--warmup-steps must exceed --start-iter so timed steps compress")
-        if args.steps < 1 or args.np < 1 or args.repeat < 1:
-            raise ValueError("--steps, --repeat and -np must be >= 1")
+        if args.steps < 1 or args.np < 1 or args.repeat < 1 or args.block_steps < 1:
+            raise ValueError("--steps, --repeat, --block-steps and -np must be >= 1")
+        _check_paired(plan, args.paired)
         if any(b != "unlimited" for b in bandwidths):
             check_namespace_support()
     except (ValueError, BandwidthCapError) as err:
@@ -499,11 +636,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cycle_time_ms": args.cycle_time_ms,
         "fusion_threshold_mb": args.fusion_threshold_mb,
         "timeout_s": args.timeout,
+        "paired": args.paired,
+        "block_steps": args.block_steps,
+        "min_rounds": args.min_rounds,
+        "max_rounds": args.max_rounds,
+        "budget_s": args.budget_s,
+        "tolerance": args.tolerance,
+        "slowdown": args.slowdown,
     }
     if args.from_json:
         records = [Record(**r) for path in args.from_json for r in json.loads(path.read_text())]
         command = args.command_line or "(re-rendered from saved records)"
-        render(records, args, settings, command, lambda: args.environment or "")
+        render(records, args, command, lambda: args.environment or "")
         return 0
     load_before = os.getloadavg()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -521,7 +665,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     render(
         records,
         args,
-        settings,
         command,
         lambda: describe_environment(started, load_before, os.getloadavg()),
     )

@@ -16,7 +16,10 @@
   shape alone is slow (docs/benchmarks-overheads.md): 298 shapes, 8.15M
   parameters.
 
-Both come with a synthetic batch maker: the benchmark measures speed and bytes,
+* ``tiny``: a 3-layer MLP (256-512-512-10, 0.4M parameters) for tests of the benchmark
+  itself: a step of a few tens of milliseconds at batch 128-256 on one core.
+
+Each comes with a synthetic batch maker: the benchmark measures speed and bytes,
 not accuracy, so the inputs are random tensors of the right shapes.
 """
 
@@ -188,12 +191,23 @@ def _lstm_loss(model: nn.Module, batch) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def _tiny() -> nn.Module:
+    return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                         nn.Linear(512, 10))  # fmt: skip
+
+
+def _tiny_batch(batch_size: int, generator: torch.Generator):
+    x = torch.randn(batch_size, 256, generator=generator)
+    return x, torch.randint(0, 10, (batch_size,), generator=generator)
+
+
 # name -> (model factory, synthetic batch maker, loss)
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable, Callable]] = {
     "resnet18": (ResNet18, _resnet_batch, _resnet_loss),
     "lstm": (LSTMLanguageModel, _lstm_batch, _lstm_loss),
     "manyshapes": (ManyShapes, _many_shapes_batch, _many_shapes_loss),
     "gpt": (GPT, _gpt_batch, _lstm_loss),  # the same next-token loss
+    "tiny": (_tiny, _tiny_batch, _resnet_loss),  # classification, like ResNet-18's
 }
 
 

@@ -4,22 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
+from . import targets
 from .stats import Record
-
-
-def label(record: Record) -> str:
-    """``powersgd r2``, ``horovod``: the configuration as the tables name it."""
-    return record.config + (f" r{record.rank}" if record.rank else "")
-
-
-def _find(records: Iterable[Record], config: str, rank: int | None = None) -> Record | None:
-    for r in records:
-        if r.config == config and (rank is None or r.rank == rank):
-            return r
-    return None
+from .targets import find as _find
+from .targets import label
 
 
 def group(records: Sequence[Record]) -> dict[tuple[str, int, str], list[Record]]:
@@ -48,7 +39,14 @@ def table_rows(records: Sequence[Record]) -> list[list[str]]:
     local = _find(records, "local")
 
     def rel(r: Record, ref: Record | None) -> str:
-        return f"{r.median_step_ms / ref.median_step_ms:.2f}" if ref else "-"
+        if ref is None:
+            return "-"
+        interval = targets.Comparison("", r, ref).interval()
+        if interval is None:  # separate jobs: a ratio of medians
+            return f"{r.median_step_ms / ref.median_step_ms:.2f}"
+        if r is ref:
+            return "1.00"
+        return f"{interval.median:.3f} [{interval.lo:.3f}, {interval.hi:.3f}]"
 
     for r in records:
         rows.append(
@@ -80,6 +78,7 @@ def format_table(records: Sequence[Record]) -> str:
                     c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
                 )
             )
+        lines += job_lines(recs)
         parts.append("\n".join(lines))
     return "\n\n".join(parts)
 
@@ -130,96 +129,29 @@ def plot(records: Sequence[Record], path: Path) -> None:
 # --- the Markdown report ----------------------------------------------------------------
 NOTES_HEADING = "## Notes"  # everything from this heading on is hand-written and kept
 
-# (model, rank, description, numerator config, denominator config, bandwidth, upper limit)
-TIME_TARGETS = (
-    # the two-round step against torch's hook, no communication and plain Horovod
-    (
-        "resnet18",
-        2,
-        "PowerSGD / torch DDP powerSGD_hook",
-        "powersgd",
-        "ddp-powersgd",
-        "200mbit",
-        0.9,
-    ),
-    ("resnet18", 2, "PowerSGD / torch DDP powerSGD_hook", "powersgd", "ddp-powersgd", "1gbit", 0.9),
-    ("resnet18", 2, "PowerSGD / local (no communication)", "powersgd", "local", "200mbit", 1.1),
-    ("resnet18", 2, "PowerSGD / plain Horovod", "powersgd", "horovod", "unlimited", 1.1),
-    # the one-round step
-    ("resnet18", 2, "1-round / local", "powersgd-1round", "local", "50mbit", 1.05),
-    ("resnet18", 2, "1-round / 2-round", "powersgd-1round", "powersgd", "50mbit", 0.92),
-    ("lstm", 4, "1-round / local", "powersgd-1round", "local", "50mbit", 1.05),
-    ("lstm", 4, "1-round / torch powerSGD_hook", "powersgd-1round", "ddp-powersgd", "200mbit", 1.0),
-    # per-layer statistics on (the default) / off
-    ("resnet18", 2, "statistics on / off", "powersgd", "powersgd-nostats", "unlimited", 1.01),
-    ("lstm", 4, "statistics on / off", "powersgd", "powersgd-nostats", "unlimited", 1.02),
-    # a model of 300 distinct layer shapes
-    ("manyshapes", 2, "PowerSGD / plain Horovod", "powersgd", "horovod", "unlimited", 1.5),
-    ("manyshapes", 2, "1-round / plain Horovod", "powersgd-1round", "horovod", "unlimited", 1.5),
-)
-# (model, rank, config, lower limit of plain fp32 bytes / bytes sent)
-BYTE_TARGETS = (
-    ("resnet18", 2, "powersgd", 130.0),
-    ("resnet18", 2, "powersgd-fp16", 260.0),
-    ("resnet18", 2, "powersgd-1round", 260.0),
-    ("resnet18", 2, "powersgd-1round-fp16", 520.0),
-)
-RANKED_CONFIGS = (
-    "powersgd",
-    "powersgd-fp16",
-    "powersgd-1round",
-    "powersgd-1round-fp16",
-    "powersgd-nostats",
-)
 
-
-# rank="auto" against the best of a set of configurations at each link:
-# (auto config, what it is compared with, fixed configs (None: any), limit).
-FIXED = ("horovod", "horovod-fp16", "powersgd", "powersgd-1round")
-AUTO_TARGETS = (
-    ("powersgd-auto", "plain Horovod or its fp16", ("horovod", "horovod-fp16"), "unlimited", 1.02),
-    *(
-        ("powersgd-auto", "the best fixed configuration", FIXED, bw, 1.03)
-        for bw in ("1gbit", "200mbit", "50mbit")
-    ),
-    ("powersgd-auto", "local (no communication)", ("local",), "50mbit", 1.05),
-)
-
-
-def auto_rows(records: Sequence[Record]) -> list[tuple[str, str, str, str]]:
-    """(target, measured, limit, verdict) of rank="auto" against the best fixed choice."""
-    rows = []
-    for model in sorted({r.model for r in records}):
-        for cfg, text, fixed, bw, limit in AUTO_TARGETS:
-            at = [r for r in records if r.model == model and r.bandwidth == bw]
-            auto = _find(at, cfg)
-            others = [r for r in at if r.config in fixed]
-            if auto is None or not others:
-                continue
-            best = min(others, key=lambda r: r.median_step_ms)
-            value = auto.median_step_ms / best.median_step_ms
-            verdict = "hit" if value <= limit else "missed"
-            rows.append(
-                (f"{model}: auto / {text} ({label(best)}), {bw}", f"{value:.2f}x",
-                 f"<= {limit}x", verdict)
-            )  # fmt: skip
-    return rows
+def _measured(c: targets.Comparison) -> str:
+    interval = c.interval()
+    if interval is None:
+        return f"{c.value():.2f}x"
+    return f"{interval.median:.3f}x [{interval.lo:.3f}, {interval.hi:.3f}]"
 
 
 def target_rows(records: Sequence[Record]) -> list[tuple[str, str, str, str]]:
-    """(target, measured, limit, verdict) for every target the records can answer."""
-    rows = auto_rows(records)
-    for model, rank, text, num_cfg, den_cfg, bw, limit in TIME_TARGETS:
-        at = [r for r in records if r.model == model and r.bandwidth == bw]
-        num = _find(at, num_cfg, rank)
-        den = _find(at, den_cfg, rank if den_cfg in (*RANKED_CONFIGS, "ddp-powersgd") else None)
-        if num and den:
-            value = num.median_step_ms / den.median_step_ms
-            verdict = "hit" if value <= limit else "missed"
-            rows.append(
-                (f"{model}: {text}, r{rank}, {bw}", f"{value:.2f}x", f"<= {limit}x", verdict)
-            )
-    for model, rank, cfg, limit in BYTE_TARGETS:
+    """(target, measured, limit, verdict) for every target the records can answer.
+
+    Ratios of records from one paired job are medians of per-round ratios with their
+    95 % interval; a target is then hit, missed or not resolved (its limit inside).
+    """
+    rows = []
+    for at in group_by_link(records).values():
+        for c in targets.comparisons(at):
+            if c.expected is not None:
+                limit = f"= {c.expected:.2f}x, 1.00x excluded"
+            else:
+                limit = f"<= {c.limit}x" if c.limit is not None else "shown beside"
+            rows.append((c.name, _measured(c), limit, c.verdict()))
+    for model, rank, cfg, limit in targets.BYTE_TARGETS:
         rec = _find([r for r in records if r.model == model], cfg, rank)
         if rec and rec.compression_ratio:
             verdict = "hit" if rec.compression_ratio >= limit else "missed"
@@ -232,6 +164,48 @@ def target_rows(records: Sequence[Record]) -> list[tuple[str, str, str, str]]:
                 )
             )
     return rows
+
+
+def group_by_link(records: Sequence[Record]) -> dict[tuple[str, str], list[Record]]:
+    """Records by (model, bandwidth): what a target compares."""
+    out: dict[tuple[str, str], list[Record]] = {}
+    for r in records:
+        out.setdefault((r.model, r.bandwidth), []).append(r)
+    return out
+
+
+def job_lines(recs: Sequence[Record]) -> list[str]:
+    """How a paired job ended, and the injected slowdown it measured."""
+    lines = []
+    paired = [r for r in recs if r.settings and r.settings.get("paired")]
+    if paired:
+        s = paired[0].settings
+        tol = s.get("tolerance", 0.01)
+        why = {
+            "precise": f"every interval its targets need within +-{tol:.1%}",
+            "budget": f"its time budget ({s.get('budget_s', 0):.0f} s) ran out before every "
+            f"interval its targets need was within +-{tol:.1%}",
+            "max rounds": "it reached --max-rounds",
+        }.get(s.get("stopped"), s.get("stopped"))
+        lines.append(
+            f"Paired job ({len(paired)} configurations in one job): stopped after "
+            f"{s.get('rounds')} rounds, {s.get('seconds')} s: {why}."
+        )
+    separate = [label(r) for r in recs if r.settings and r.settings.get("paired") is False]
+    if paired and separate:
+        lines.append(f"Jobs of their own (not paired, no interval): {', '.join(separate)}.")
+    for c in targets.time_comparisons(recs):
+        if c.expected is not None:
+            interval = c.interval()
+            text = str(interval) if interval else f"{c.value():.3f} (no interval)"
+            verdict = c.verdict()
+            taken = (c.numerator.settings or {}).get("pause_taken_over_asked", {})
+            median = taken.get(label(c.numerator))
+            pauses = f"; pause taken / asked, median {median:.3f}" if median else ""
+            lines.append(
+                f"Injected {c.expected - 1:.0%} slowdown: measured {text} ({verdict}{pauses})."
+            )
+    return lines
 
 
 def cost_model_section(
@@ -329,7 +303,6 @@ def write_markdown(
     path: Path,
     *,
     command: str,
-    settings: dict,
     plot: Path | None = None,
     environment: str = "",
 ) -> None:
@@ -353,22 +326,11 @@ def write_markdown(
     ]
     if environment:
         out += [environment, ""]
-    out += [
-        f"Settings: {settings['np']} workers, batch {settings['batch_size']} per worker, "
-        f"{settings['warmup_steps']} warm-up + {settings['steps']} timed steps per run, "
-        f"{settings.get('repeat', 1)} run(s) of every configuration (interleaved, every other "
-        "round in reverse order; statistics over the steps of all runs), "
-        f"{settings['threads']} torch thread(s) per worker, Horovod controller "
-        f"{settings['controller']}, start_iter {settings['start_iter']}, min_compression_rate "
-        f"{settings['min_compression_rate']}, HOROVOD_CYCLE_TIME "
-        f"{settings.get('cycle_time_ms') or 'default'}, HOROVOD_FUSION_THRESHOLD "
-        f"{settings.get('fusion_threshold_mb') or 'default'} MB. A step's time is the slowest "
-        "worker's; `x horovod` and `x local` divide medians measured in the same run. "
-        "`bytes ratio` = bytes of a plain fp32 all-reduce / bytes this configuration sent.",
-        "",
-    ]
+    out += settings_lines(records)
     for (model, np_, bw), recs in group(records).items():
         out += [f"## {model}, {np_} workers, bandwidth {bw}", "", markdown_table(recs), ""]
+        jobs = job_lines(recs)
+        out += [*jobs, ""] if jobs else []
         details = [f"- {label(rec)}: {rec.detail}" for rec in recs if rec.detail]
         out += [*details, ""] if details else []
     if plot is not None:
@@ -382,6 +344,62 @@ def write_markdown(
     out += ["## Cost model", "", COST_MODEL_ASSUMPTIONS, "", cost_model_section(records), ""]
     text = "\n".join(out)
     path.write_text(text + ("\n" + notes if notes else ""))
+
+
+def describe_settings(settings: dict) -> str:
+    """One paragraph on how a job (or a set of jobs) ran, from the settings it recorded."""
+    text = (
+        f"{settings['np']} workers, batch {settings['batch_size']} per worker, "
+        f"{settings['threads']} torch thread(s) per worker, Horovod controller "
+        f"{settings['controller']}, start_iter {settings['start_iter']}, min_compression_rate "
+        f"{settings['min_compression_rate']}, HOROVOD_CYCLE_TIME "
+        f"{settings.get('cycle_time_ms') or 'default'}, HOROVOD_FUSION_THRESHOLD "
+        f"{settings.get('fusion_threshold_mb') or 'default'} MB. "
+    )
+    if settings.get("paired"):
+        return text + (
+            f"Paired: every configuration of a model and link in one job, each with its own "
+            f'model copy; {settings["warmup_steps"]} untimed warm-up steps each (rank="auto" '
+            f"until its tuner settles, at least 40), then rounds of one block per configuration "
+            f"in rotating order: 1 untimed + {settings['block_steps']} timed steps. A block's "
+            "time is the median of its steps, a step's the slowest worker's. `x horovod` and "
+            "`x local` are medians of per-round ratios with 95 % percentile-bootstrap "
+            "intervals over rounds (2000 resamples, seed 0). A job stops when every interval "
+            f"its targets need is within +-{settings.get('tolerance', 0.01):.1%} (at least "
+            f"{settings['min_rounds']} rounds) or before its {settings['budget_s']:.0f} s "
+            "budget runs out. Peak RSS is the whole job's (all configurations share it)."
+        )
+    return text + (
+        f"{settings['warmup_steps']} warm-up + {settings['steps']} timed steps per run, "
+        f"{settings.get('repeat', 1)} run(s) of every configuration, each a job of its own "
+        "(interleaved, every other round in reverse order; statistics over the steps of all "
+        "runs). A step's time is the slowest worker's; `x horovod` and `x local` divide "
+        "medians."
+    )
+
+
+def settings_lines(records: Sequence[Record]) -> list[str]:
+    """The Settings paragraphs, from the settings the records carry (one per distinct set)."""
+    distinct: list[dict] = []
+    for r in records:
+        if r.settings is not None:
+            shown = {k: v for k, v in r.settings.items() if k not in JOB_OUTCOME}
+            if shown not in distinct:
+                distinct.append(shown)
+    missing = any(r.settings is None for r in records)
+    lines = [f"Settings: {describe_settings(s)}" for s in distinct]
+    if missing:
+        lines.append(
+            "Settings: not recorded with some of these records (written before records kept them)."
+        )
+    lines.append(
+        "`bytes ratio` = bytes of a plain fp32 all-reduce / bytes this configuration sent."
+    )
+    return [line for pair in zip(lines, [""] * len(lines)) for line in pair]
+
+
+# What differs from one job to the next of the same settings: shown per job, not here.
+JOB_OUTCOME = ("stopped", "rounds", "seconds", "slowdown", "pause_taken_over_asked")
 
 
 COST_MODEL_ASSUMPTIONS = """\

@@ -21,6 +21,8 @@ RECORD_KEYS = (
     "compression_ratio",
     "peak_rss_mb",
     "detail",
+    "round_ms",
+    "settings",
 )
 
 
@@ -76,6 +78,11 @@ class Record:
     compression_ratio: float | None  # plain fp32 all-reduce bytes / bytes_per_step
     peak_rss_mb: float  # largest peak resident set size over the workers
     detail: str = ""  # rank="auto": the plan it settled on and the link it measured
+    # A paired job (every configuration in one job): the block median of each round, the
+    # same rounds for every configuration of the job. None: a job of its own.
+    round_ms: list[float] | None = None
+    # How the job ran (workers, steps, how it stopped); None in records written before.
+    settings: dict | None = None
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -95,6 +102,7 @@ def make_record(
     plain_bytes_per_step: float,
     peak_rss_mb: Sequence[float],
     detail: str = "",
+    settings: dict | None = None,
 ) -> Record:
     """Fold the per-rank reports of one configuration into a Record.
 
@@ -119,4 +127,5 @@ def make_record(
         compression_ratio=ratio,
         peak_rss_mb=max(peak_rss_mb),
         detail=detail,
+        settings=settings,
     )

@@ -1,0 +1,61 @@
+"""Proof that a paired benchmark job measures: plain Horovod slowed on purpose by 5 % of its
+own step (`horovod-slowed`) must come out as 1.05 within its 95 % interval, an interval that
+excludes 1.00, on the machine as it is and while two other processes keep both cores busy.
+
+A tiny model (a step of about 20-40 ms on one core, so the 1-2 ms pause is far above the
+timer's noise), 2 ranks under mpirun, one job per variant of at most about two minutes:
+it stops once the slowdown's interval is within +-1 %, or at its budget (the test then
+still passes if the interval already proves the slowdown, and says the budget ran out).
+
+Known weak point (docs/benchmarks-method.md, Limits): with both cores busy and other jobs
+running too, the slowed configuration has measured up to 1.08 (1.050, 1.069, 1.079 in three
+runs of this version here; the last one failed); as the machine was: 1.049-1.057, all passed.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import launch
+
+from horovod_powersgd.bench import targets
+from horovod_powersgd.bench.stats import Record
+
+BUDGET_S = 110
+
+
+def _run_paired(tmp_path):
+    out = tmp_path / "records.json"
+    cmd = [sys.executable, "-m", "horovod_powersgd.bench", "--paired", "-np", "2"]
+    cmd += ["--models", "tiny", "--configs", "horovod,horovod-slowed", "--batch-size", "512"]
+    cmd += ["--warmup-steps", "15", "--block-steps", "3", "--min-rounds", "20"]
+    cmd += ["--budget-s", str(BUDGET_S), "--slowdown", "0.05", "--json", str(out)]
+    rc, log, seconds = launch(cmd, timeout=BUDGET_S + 150)
+    assert rc == 0, log[-3000:]
+    return [Record(**r) for r in json.loads(out.read_text())], log, seconds
+
+
+@pytest.mark.timeout(BUDGET_S + 200)
+@pytest.mark.parametrize("busy", [False, True], ids=["as-is", "both-cores-busy"])
+def test_paired_job_measures_an_injected_five_percent_slowdown(tmp_path, busy):
+    hogs = []
+    try:
+        if busy:  # two processes that never sleep: the machine twice oversubscribed
+            hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in "ab"]
+        records, log, seconds = _run_paired(tmp_path)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    (proof,) = [c for c in targets.time_comparisons(records) if c.expected is not None]
+    interval = proof.interval()
+    settings = records[0].settings
+    ran = f"{settings['rounds']} rounds in {seconds:.0f} s, stopped: {settings['stopped']}"
+    print(f"busy={busy}: measured {interval} ({ran})")
+    assert "Injected 5% slowdown: measured" in log, log[-2000:]
+    # The typical pause was the one asked for (a sleep's typical lateness asked less).
+    assert settings["pause_taken_over_asked"]["horovod-slowed"] == pytest.approx(1.0, abs=0.02)
+    budget = " (its budget ran out first)" if settings["stopped"] == "budget" else ""
+    assert interval.lo <= 1.05 <= interval.hi, f"1.05 outside {interval}{budget}; {ran}"
+    assert interval.lo > 1.0, f"1.00 inside {interval}: slowdown not resolved{budget}; {ran}"
