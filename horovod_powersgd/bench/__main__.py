@@ -412,6 +412,7 @@ def run_paired(settings: dict, model: str, bandwidth: str) -> list[Record]:
             outcome = json.loads(out.read_text())
             job = dict(recorded_settings(settings), paired=True, stopped=outcome["stopped"],
                        rounds=outcome["rounds"], seconds=round(outcome["seconds"]),
+                       warmup_s=round(outcome["warmup_s"]),
                        pause_taken_over_asked=outcome["pause_taken_over_asked"])  # fmt: skip
             for r in outcome["records"]:
                 records.append(Record(**dict(r, settings=dict(job, **r["settings"]))))
@@ -510,8 +511,8 @@ def _add_paired_arguments(p: argparse.ArgumentParser) -> None:
         "--budget-s",
         type=float,
         default=900,
-        help="--paired: seconds per job (warm-up included) before it stops, if no earlier "
-        "every interval its targets need is within +-1 %%",
+        help="--paired: seconds of timed rounds per job (after every configuration's warm-up) "
+        "before it stops, if no earlier every interval its targets need is within +-1 %%",
     )
     p.add_argument(
         "--tolerance",

@@ -181,15 +181,17 @@ def job_lines(recs: Sequence[Record]) -> list[str]:
     if paired:
         s = paired[0].settings
         tol = s.get("tolerance", 0.01)
+        # Records from before 12-03 counted the warm-up in the budget and did not say it.
+        warm = f" of rounds, after {s['warmup_s']} s of warm-up" if "warmup_s" in s else ""
         why = {
             "precise": f"every interval its targets need within +-{tol:.1%}",
-            "budget": f"its time budget ({s.get('budget_s', 0):.0f} s) ran out before every "
+            "budget": f"its time budget ({s.get('budget_s', 0):.0f} s{warm}) ran out before every "
             f"interval its targets need was within +-{tol:.1%}",
             "max rounds": "it reached --max-rounds",
         }.get(s.get("stopped"), s.get("stopped"))
         lines.append(
             f"Paired job ({len(paired)} configurations in one job): stopped after "
-            f"{s.get('rounds')} rounds, {s.get('seconds')} s: {why}."
+            f"{s.get('rounds')} rounds, {s.get('seconds')} s in all: {why}."
         )
     separate = [label(r) for r in recs if r.settings and r.settings.get("paired") is False]
     if paired and separate:
@@ -399,7 +401,7 @@ def settings_lines(records: Sequence[Record]) -> list[str]:
 
 
 # What differs from one job to the next of the same settings: shown per job, not here.
-JOB_OUTCOME = ("stopped", "rounds", "seconds", "slowdown", "pause_taken_over_asked")
+JOB_OUTCOME = ("stopped", "rounds", "seconds", "warmup_s", "slowdown", "pause_taken_over_asked")
 
 
 COST_MODEL_ASSUMPTIONS = """\

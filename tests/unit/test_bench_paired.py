@@ -196,7 +196,7 @@ def test_report_renders_the_settings_the_records_carry_not_the_command_line(tmp_
     job = dict(
         np=2, batch_size=96, warmup_steps=15, block_steps=3, min_rounds=8, budget_s=900.0,
         tolerance=0.01, threads=1, controller="mpi", start_iter=2, min_compression_rate=2.0,
-        paired=True, stopped="budget", rounds=12, seconds=880,
+        paired=True, stopped="budget", rounds=12, seconds=940, warmup_s=60,
     )  # fmt: skip
     plain = [100.0, 101.0, 99.0]
     records = [
@@ -207,7 +207,9 @@ def test_report_renders_the_settings_the_records_carry_not_the_command_line(tmp_
     report.write_markdown(records, path, command="make bench")
     text = path.read_text()
     assert "batch 96 per worker" in text and "Paired:" in text
-    assert "stopped after 12 rounds, 880 s: its time budget (900 s) ran out" in text
+    # The budget counts the timed rounds; the warm-up before them is said beside it.
+    assert "stopped after 12 rounds, 940 s in all: its time budget (900 s of rounds, " in text
+    assert "after 60 s of warm-up) ran out" in text
     assert "Injected 5% slowdown: measured 1.050" in text
     old = [dataclasses.replace(r, settings=None) for r in records]
     report.write_markdown(old, path, command="make bench")
