@@ -85,18 +85,24 @@ installed_key=$(cat "$VENV/.horovod-key" 2>/dev/null || true)
 if [[ "$installed_key" != "$key" ]] || ! "$PY" -c 'import horovod.torch' 2>/dev/null; then
   if ! ls "$cached"/horovod-*.whl >/dev/null 2>&1; then
     log "building Horovod $HOROVOD_VERSION against torch $TORCH_VERSION ($build_opts); takes minutes"
+    # The sdist stays beside the wheels (tests/unit/test_bootstrap.py checks the fix on it).
+    sdist="$WHEEL_CACHE/horovod-$HOROVOD_VERSION.tar.gz"
+    if [[ ! -f "$sdist" ]]; then
+      mkdir -p "$WHEEL_CACHE"
+      "$PY" -m pip download -q --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" \
+        -d "$WHEEL_CACHE"
+    fi
     src=$(mktemp -d)
     trap 'rm -rf "$src"' EXIT
-    "$PY" -m pip download -q --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$src"
-    tar -xzf "$src"/horovod-*.tar.gz -C "$src"
+    tar -xzf "$sdist" -C "$src"
     srcdir=$(echo "$src"/horovod-*/)
-    # Horovod 0.28.1 compiles with C++14, but torch >= 2.1 headers need C++17.
-    # Upstream fixed this on master (horovod/horovod PR #3998, CMAKE_CXX_STANDARD
-    # 17) but never released it, so apply that one change when torch needs it.
+    # Horovod 0.28.1 compiles with C++14, but torch >= 2.1 headers need C++17, and two of
+    # its headers miss includes that GCC 13 no longer pulls in: scripts/horovod_source_fixes.sh.
+    cxx17=""
     if "$PY" -c 'import torch,sys; v=tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(v < (2, 1))'; then
-      sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
-        "$srcdir/CMakeLists.txt" "$srcdir/horovod/torch/CMakeLists.txt"
+      cxx17=--cxx17
     fi
+    bash "$ROOT/scripts/horovod_source_fixes.sh" "$srcdir" $cxx17
     mkdir -p "$cached.tmp"
     (
       cd "$srcdir"

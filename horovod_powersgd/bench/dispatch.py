@@ -1,0 +1,169 @@
+"""Ops a steady-state step dispatches: the CPU proxy for kernel launches on a GPU.
+
+On a GPU every aten op the library dispatches is a kernel launch (about 5 us on
+an H200, whatever its size: docs/gpu.md), so the number of ops per step is what
+PowerSGD's local work costs there. This counts them on any device with
+`TorchDispatchMode`, for a model with ResNet-50's parameter shapes (54 matrices,
+107 vectors, 25.6 M parameters), with this library's optimizer and with
+Horovod's on the same model, and reports the difference: the library's ops.
+
+    python -m horovod_powersgd.bench.dispatch --ranks 4,32 --rounds 2,1
+
+One process is enough (Horovod at size 1; under mpirun every rank counts its
+own). The "local work" time is the CPU time of the library's step over
+Horovod's, median of the steps timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def resnet50_shapes(blocks=(3, 4, 6, 3), classes: int = 1000) -> list[tuple[int, ...]]:
+    """The parameter shapes of torchvision's ResNet-50, in its order (no torchvision needed)."""
+    shapes: list[tuple[int, ...]] = [(64, 3, 7, 7), (64,), (64,)]
+    inplanes = 64
+    for stage, count in enumerate(blocks):
+        planes = 64 * 2**stage
+        for block in range(count):
+            shapes += [(planes, inplanes, 1, 1), (planes,), (planes,)]
+            shapes += [(planes, planes, 3, 3), (planes,), (planes,)]
+            shapes += [(planes * 4, planes, 1, 1), (planes * 4,), (planes * 4,)]
+            if block == 0:
+                shapes += [(planes * 4, inplanes, 1, 1), (planes * 4,), (planes * 4,)]
+            inplanes = planes * 4
+    return [*shapes, (classes, inplanes), (classes,)]
+
+
+class ShapesModel(torch.nn.Module):
+    """Parameters of the given shapes; the loss is linear in each, so backward is cheap."""
+
+    def __init__(self, shapes, seed: int = 0):
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.weights = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(s, generator=generator) * 0.01) for s in shapes
+        )
+        self.directions = [torch.randn(s, generator=generator) for s in shapes]
+
+    def loss(self, step: int) -> torch.Tensor:
+        # A gradient that changes from step to step: the direction scaled by the step.
+        scale = 1.0 + 0.1 * (step % 7)
+        return sum((w * d).sum() for w, d in zip(self.weights, self.directions)) * scale
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while active, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+
+def _step(model, opt, step: int) -> None:
+    opt.zero_grad()
+    model.loss(step).backward()
+    opt.step()
+
+
+def measure(make_optimizer, shapes, steps: int = 6, timed: int = 5) -> dict:
+    """Ops of step `steps` (after `steps` untimed ones) and the median CPU time of `timed` more."""
+    model = ShapesModel(shapes)
+    opt = make_optimizer(model)
+    for step in range(steps):
+        _step(model, opt, step)
+    counter = OpCounter()
+    with counter:
+        _step(model, opt, steps)
+    times = []
+    for step in range(steps + 1, steps + 1 + timed):
+        start = time.process_time()
+        _step(model, opt, step)
+        times.append(time.process_time() - start)
+    times.sort()
+    median_ms = 1e3 * times[len(times) // 2]
+    return {"ops": counter.total, "by_op": dict(counter.ops), "cpu_ms": median_ms}
+
+
+def library_ops(rank: int, rounds: int, shapes=None, **settings) -> dict:
+    """{"ops", "horovod_ops", "extra_ops", "cpu_ms", "extra_cpu_ms", "top"} for one setting.
+
+    Horovod must be initialised. `settings` go to horovod_powersgd.DistributedOptimizer.
+    """
+    import horovod.torch as hvd
+
+    import horovod_powersgd as hps
+
+    shapes = shapes or resnet50_shapes()
+
+    def ours(model):
+        sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        return hps.DistributedOptimizer(
+            sgd, named_parameters=model.named_parameters(), rank=rank, rounds=rounds, **settings
+        )
+
+    def horovods(model):
+        sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        return hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
+
+    mine, base = measure(ours, shapes), measure(horovods, shapes)
+    extra = collections.Counter(mine["by_op"])
+    extra.subtract(base["by_op"])
+    return {
+        "rank": rank,
+        "rounds": rounds,
+        "ops": mine["ops"],
+        "horovod_ops": base["ops"],
+        "extra_ops": mine["ops"] - base["ops"],
+        "cpu_ms": round(mine["cpu_ms"], 2),
+        "horovod_cpu_ms": round(base["cpu_ms"], 2),
+        "extra_cpu_ms": round(mine["cpu_ms"] - base["cpu_ms"], 2),
+        "top": dict(extra.most_common(8)),
+    }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", default="4,32", help="PowerSGD ranks (default: 4,32)")
+    parser.add_argument("--rounds", default="2,1", help="schedules (default: 2,1)")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    import horovod.torch as hvd
+
+    hvd.init()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    rows = [
+        library_ops(int(rank), int(rounds))
+        for rounds in args.rounds.split(",")
+        for rank in args.ranks.split(",")
+    ]
+    if hvd.rank() == 0:
+        print("ResNet-50's shapes, one steady-state step, ops over Horovod's optimizer (CPU)")
+        print("| rank | rounds | ops over Horovod's | Horovod's step | CPU ms over Horovod's |")
+        print("| --- | --- | --- | --- | --- |")
+        for row in rows:
+            print(
+                f"| {row['rank']} | {row['rounds']} | {row['extra_ops']} | {row['horovod_ops']} "
+                f"| {row['extra_cpu_ms']:.1f} |"
+            )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
