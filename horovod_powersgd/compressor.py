@@ -51,12 +51,14 @@ from .layout import Factors, PaddedBatch, ShapeGroup, padded_batches
 from .linalg import compute_dtype, matrix_shape, orthogonalize_, wire_scale
 
 
-def _accumulate(matrix: torch.Tensor, grad, group: ShapeGroup, error_feedback: bool) -> None:
+def _accumulate(group: ShapeGroup, index: int, grad, error_feedback: bool) -> None:
     """M = grad + e (or grad alone); a missing `grad` counts as zero."""
     if grad is not None:
-        (matrix.add_ if error_feedback else matrix.copy_)(grad.reshape(group.n, group.m))
+        # A conv weight's gradient goes into M's view in the parameter's shape.
+        matrix = group.rows["matrices" if grad.dim() == 2 else "shaped"][index]
+        (matrix.add_ if error_feedback else matrix.copy_)(grad)
     elif not error_feedback:
-        matrix.zero_()
+        group.rows["matrices"][index].zero_()
 
 
 class _Schedule:
@@ -72,14 +74,12 @@ class _Schedule:
         self.workers = 1
 
     def begin_step(self, factors: Factors) -> None:
-        """This step's orthonormal partners: from memory (warm start) or fresh."""
+        """This step's partners: from memory (warm start) or fresh."""
         self.draw(factors)  # every step, on every rank alike: the generators stay in step
         if factors.scaled:
             _clear_scales(factors)
-        for batch in factors.partner_batches[self.phase]:
-            q_side = batch.side == "q"  # a Q̂ partner goes with a P that is sent
-            memory = factors.q_memory if q_side else factors.p_memory
-            self._partner(factors, batch, memory, factors.q_local if q_side else factors.p)
+        for batch in factors.partner_batches[self.phase]:  # (memory, scratch for the draw)
+            self._partner(factors, batch, *factors.partner_flats[batch.side])
 
     def _partner(self, factors: Factors, batch: PaddedBatch, memory, draw) -> None:
         """Orthonormalise the batch's part of the flat `memory` in place.
@@ -124,24 +124,28 @@ class _Schedule:
         flat = {kind: next(received).to(factors.dtype) for kind in self.kinds(factors)}
         if factors.scaled:
             self._unscale(factors, flat)
-        ids = {"p": factors.p_matrix, "q": factors.q_matrix}
-        finite = factors.finite_matrices([(t, ids[kind]) for kind, t in flat.items()])
+        ids, memories = factors.matrix_ids, factors.memories
+        finite = factors.finite_matrices([(t, ids[k]) for k, t in flat.items()])
         finite = self.settle(factors, finite)
         # The averaged factor becomes its memory where finite; memories keep
         # their last finite value.
-        memories = {"p": factors.p_memory, "q": factors.q_memory}
         for kind, factor in flat.items():
-            memory = memories[kind][: factor.numel()]
-            torch.where(finite[ids[kind][: factor.numel()]], factor, memory, out=memory)
+            size = factor.numel()  # rounds=1 sends a prefix
+            memory = memories[kind] if size == memories[kind].numel() else memories[kind][:size]
+            if finite is not factors.all_finite:
+                factor = torch.where(finite[ids[kind][:size]], factor, memory)
+            memory.copy_(factor)
         # The gradient uses the factor that was sent, finite or not: a
         # non-finite gradient must reach the optimizer (GradScaler skips it).
         for g in factors.groups.values():
             kind = self.sends(g)
-            factor = g.factor(kind, flat[kind])  # (k, r, x), like the partner's memory
+            factor = g.factor_rows(kind, flat[kind])  # P_avg (n x r) or Q_avgᵀ (r x m) each
             # grad = P̂·Q_avgᵀ or P_avg·Q̂ᵀ, both (n x r)·(r x m)
-            pt, qt = (self.left(g), factor) if kind == "q" else (factor, g.qt_memory)
+            lefts, rights = (
+                (g.rows[self.left_rows], factor) if kind == "q" else (factor, g.rows["qt_memory"])
+            )
             for i, name in enumerate(g.names):
-                grads[name] = _write(pt[i].T, qt[i], g, i, out.get(name))
+                grads[name] = _write(lefts[i], rights[i], g, i, out.get(name))
 
 
 def _clear_scales(factors: Factors) -> None:
@@ -158,7 +162,7 @@ def _write(a, c, g: ShapeGroup, i: int, target) -> torch.Tensor:
     """a·c into `target` (or a new tensor), shaped like matrix i's parameter."""
     if target is None or not target.is_contiguous() or target.dtype != a.dtype:
         return _write_new(a, c, g.shapes[i], target)
-    torch.mm(a, c, out=target.view(g.n, g.m))
+    torch.mm(a, c, out=target if target.dim() == 2 else target.view(g.n, g.m))
     return target
 
 
@@ -172,6 +176,12 @@ class TwoRounds(_Schedule):
     """rounds=2, the paper's step: P = M·Q̂ summed, orthogonalised, then Q_w = Mᵀ·P̂ averaged."""
 
     rounds = 2
+    # Q̂ = orth(Q memory), though in exact arithmetic P̂ = orth(M·Q) is the same
+    # for Q and for Q·R⁻¹ with any upper-triangular R: the memory is last step's
+    # Mᵀ·P̂, so P = M·Q would square M's condition number. With unit columns
+    # only, a full-rank step (8 x 8 at rank 8) was off by 1.6e-3 relative, not
+    # the 1e-5 of float32 (tests/parallel/test_auto.py, test_transformer.py).
+    left_rows = "p"
 
     def prepare(self, factors: Factors) -> None:
         """Build what a step orthogonalises together: every Q̂, and every summed P."""
@@ -188,9 +198,9 @@ class TwoRounds(_Schedule):
 
     def compress(self, group: ShapeGroup, i: int, grad) -> None:
         """Steps 1-2: M = grad + e; Pᵀ = Q̂ᵀ·Mᵀ."""
-        matrix = group.matrices[i]
-        _accumulate(matrix, grad, group, self.error_feedback)
-        torch.mm(group.qt_memory[i], matrix.T, out=group.pt[i])
+        rows = group.rows
+        _accumulate(group, i, grad, self.error_feedback)
+        torch.mm(rows["qt_memory"][i], rows["matrices_t"][i], out=rows["pt"][i])
 
     def send_buffers(self, factors: Factors) -> list[torch.Tensor]:
         """Step 3: the flat P buffer, to sum in place."""
@@ -233,7 +243,7 @@ class TwoRounds(_Schedule):
         if not self.error_feedback:
             return
         for g in factors.groups.values():
-            g.matrices.baddbmm_(g.p, g.qt_local, alpha=-1)
+            g.matrices.baddbmm_(g.p_batch, g.qt_local, alpha=-1)
         factors.drop_non_finite_error(factors.p_finite)
 
     def kinds(self, factors: Factors) -> list[str]:
@@ -242,17 +252,17 @@ class TwoRounds(_Schedule):
     def sends(self, g: ShapeGroup) -> str:
         return "q"
 
-    def left(self, g: ShapeGroup) -> torch.Tensor:
-        return g.pt  # P̂, orthogonalised in project()
-
     def settle(self, factors: Factors, finite: torch.Tensor) -> torch.Tensor:
-        return finite & factors.p_finite
+        return finite if factors.p_finite is factors.all_finite else finite & factors.p_finite
 
 
 class Alternating(_Schedule):
     """rounds=1: even steps average Q_w = Mᵀ·P̂, odd steps P_w = M·Q̂ (one round per step)."""
 
     rounds = 1
+    # The partner is the basis the averaged factor is decompressed in
+    # (grad = P̂·Q_avgᵀ): it must be orthonormal for that to be a projection.
+    left_rows = "p_memory"
 
     def prepare(self, factors: Factors) -> None:
         """Build, per step parity, the partners: P̂ for groups sending Q, Q̂ for those sending P."""
@@ -274,16 +284,17 @@ class Alternating(_Schedule):
 
     def compress(self, group: ShapeGroup, i: int, grad) -> None:
         """M = grad + e; the factor this step sends, against its orthonormal partner; new e."""
-        matrix = group.matrices[i]
-        _accumulate(matrix, grad, group, self.error_feedback)
+        rows = group.rows
+        matrix = rows["matrices"][i]
+        _accumulate(group, i, grad, self.error_feedback)
         if group.sends[self.phase] == "p":
-            torch.mm(group.qt_memory[i], matrix.T, out=group.pt[i])  # Pᵀ = Q̂ᵀ·Mᵀ
+            torch.mm(rows["qt_memory"][i], rows["matrices_t"][i], out=rows["pt"][i])  # Pᵀ = Q̂ᵀ·Mᵀ
             if self.error_feedback:
-                matrix.addmm_(group.pt[i].T, group.qt_memory[i], alpha=-1)  # e = M − P_w·Q̂ᵀ
+                matrix.addmm_(rows["p"][i], rows["qt_memory"][i], alpha=-1)  # e = M − P_w·Q̂ᵀ
         else:
-            torch.mm(group.pt_memory[i], matrix, out=group.qt_local[i])  # Q_wᵀ = P̂ᵀ·M
+            torch.mm(rows["pt_memory"][i], matrix, out=rows["qt_local"][i])  # Q_wᵀ = P̂ᵀ·M
             if self.error_feedback:
-                matrix.addmm_(group.pt_memory[i].T, group.qt_local[i], alpha=-1)  # e = M − P̂·Q_wᵀ
+                matrix.addmm_(rows["p_memory"][i], rows["qt_local"][i], alpha=-1)  # e = M − P̂·Q_wᵀ
 
     def send_buffers(self, factors: Factors) -> list[torch.Tensor]:
         """The part of the P and/or Q buffer this step sends (empty parts left out)."""
@@ -307,9 +318,6 @@ class Alternating(_Schedule):
 
     def sends(self, g: ShapeGroup) -> str:
         return g.sends[self.phase]
-
-    def left(self, g: ShapeGroup) -> torch.Tensor:
-        return g.pt_memory  # P̂, orthogonalised in begin_step()
 
     def settle(self, factors: Factors, finite: torch.Tensor) -> torch.Tensor:
         if self.error_feedback:
@@ -459,6 +467,10 @@ class PowerSGDCompressor:
 
     def is_compressed(self, name: str) -> bool:
         return name in self._where
+
+    def bucket_of(self, name: str):
+        """The caller's bucket of parameter `name`."""
+        return self._bucket_of[name]
 
     def _groups(self):
         for factors in self.factors:
@@ -691,3 +703,14 @@ class PowerSGDCompressor:
         group, i = self._where[name]
         factor = group.qt_local[i] if self.schedule.sends(group) == "q" else group.pt[i]
         return group.matrices[i], factor
+
+    def group_views(self, bucket=None):
+        """(names, error buffers, factors) of each group, as `step_views`, a view per matrix.
+
+        The views are made once, so the statistics can take all their norms in
+        one fused operation (`torch._foreach_norm`). Same validity as `step_views`.
+        """
+        for factors in self.of(bucket):
+            for g in factors.groups.values():
+                sent = "qt_local" if self.schedule.sends(g) == "q" else "pt"
+                yield g.names, g.rows["matrices"], g.rows[sent]

@@ -13,6 +13,7 @@ No math of a step here (that is compressor.py), and no communication.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -52,6 +53,29 @@ class ShapeGroup:
     # (k, 1, 1), so that they sit well inside float16's range (linalg.wire_scale).
     p_scale: torch.Tensor | None = None
     q_scale: torch.Tensor | None = None
+    # Per-matrix views of the buffers above, made once (`cache_views`): taking
+    # `matrices[i]` or a transpose is itself an operation, and on a GPU each
+    # operation is a kernel launch or more; a step should not pay for them per
+    # matrix. By buffer name: "matrices", "matrices_t" (m x n), "pt", "p" (n x r),
+    # "qt_local", "qt_memory", "pt_memory", "p_memory" (n x r), "shaped" (as the parameter).
+    rows: dict = field(default_factory=dict)
+
+    def cache_views(self) -> None:
+        """Make the per-matrix views (after the buffers are allocated)."""
+        rows = {
+            "matrices": self.matrices.unbind(0),
+            "pt": self.pt.unbind(0),
+            "qt_local": self.qt_local.unbind(0),
+            "qt_memory": self.qt_memory.unbind(0),
+        }
+        rows["matrices_t"] = [m.T for m in rows["matrices"]]
+        rows["shaped"] = [m.view(shape) for m, shape in zip(rows["matrices"], self.shapes)]
+        rows["p"] = [x.T for x in rows["pt"]]
+        if self.pt_memory is not None:
+            rows["pt_memory"] = self.pt_memory.unbind(0)
+            rows["p_memory"] = [x.T for x in rows["pt_memory"]]
+        self.rows = rows
+        self.p_batch = self.pt.transpose(1, 2)  # (k, n, r), for the batched error update
 
     @property
     def count(self) -> int:
@@ -83,6 +107,21 @@ class ShapeGroup:
         size = self.count * self.rank * length
         return flat[offset : offset + size].view(self.count, self.rank, length)
 
+    def factor_rows(self, kind: str, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per matrix, P_avg (n x r, kind "p") or Q_avgᵀ (r x m, "q") of a flat buffer.
+
+        The buffers a step receives are the bucket's own, summed in place, so
+        the same from step to step: their views are kept for the same `flat`.
+        """
+        kept = self.rows.get(kind + "_received")
+        if kept is None or kept[0] is not flat:
+            kept = self.rows[kind + "_received"] = (flat, self._factor_rows(kind, flat))
+        return kept[1]
+
+    def _factor_rows(self, kind: str, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        rows = self.factor(kind, flat).unbind(0)
+        return rows if kind == "q" else tuple(row.T for row in rows)
+
 
 class PaddedBatch:
     """Same-side factors of several groups, orthogonalised as one zero-padded batch.
@@ -113,13 +152,16 @@ class PaddedBatch:
             start = self.spans[-1][1] if self.spans else 0
             self.spans.append((start, start + g.count))
         self.single = (offsets[0], groups[0].count, groups[0].rank, lengths[0])
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(flat) -> view
         self.rows = self.draw = None
         if len(groups) == 1:
             return
         count, rank, length = self.spans[-1][1], max(g.rank for g in groups), max(lengths)
         self.rows = torch.zeros(count, rank, length, dtype=dtype, device=device)
+        self.rows_flat = self.rows.view(-1)
         if draws:
             self.draw = torch.zeros_like(self.rows)
+            self.draw_flat = self.draw.view(-1)
         src, dst = [], []
         for g, (a, _), x, offset in zip(groups, self.spans, lengths, offsets):
             src.append(offset + torch.arange(g.count * g.rank * x))
@@ -131,8 +173,16 @@ class PaddedBatch:
         self.dst = torch.cat(dst).to(device)  # ... and its place in the batch
 
     def _view(self, flat: torch.Tensor) -> torch.Tensor:
+        # The flat buffers a step passes are the bucket's own, the same every
+        # step: their views are kept (with the buffer, so its id stays its own).
+        kept = self._views.get(id(flat))
+        if kept is not None and kept[0] is flat:
+            return kept[1]
         offset, count, rank, length = self.single
-        return flat[offset : offset + count * rank * length].view(count, rank, length)
+        view = flat[offset : offset + count * rank * length].view(count, rank, length)
+        if len(self._views) < 4:
+            self._views[id(flat)] = (flat, view)
+        return view
 
     def gather(self, flat: torch.Tensor, draw_flat: torch.Tensor | None = None):
         """(batch, draws' batch): the groups' factors of `flat` (and `draw_flat`), padded."""
@@ -141,15 +191,15 @@ class PaddedBatch:
         # Zero first: a non-finite matrix leaves NaN in its padding, which
         # must not reach the next step's norms.
         self.rows.zero_()
-        self.rows.view(-1).index_copy_(0, self.dst, flat.index_select(0, self.src))
+        self.rows_flat.index_copy_(0, self.dst, flat.index_select(0, self.src))
         if draw_flat is not None:
-            self.draw.view(-1).index_copy_(0, self.dst, draw_flat.index_select(0, self.src))
+            self.draw_flat.index_copy_(0, self.dst, draw_flat.index_select(0, self.src))
         return self.rows, self.draw
 
     def scatter(self, flat: torch.Tensor) -> None:
         """Copy the batch's results back into `flat`."""
         if self.rows is not None:
-            flat.index_copy_(0, self.src, self.rows.view(-1).index_select(0, self.dst))
+            flat.index_copy_(0, self.src, self.rows_flat.index_select(0, self.dst))
 
     def split(self, per_matrix):
         """A (K, 1, 1) tensor of the batch as per-group (k, 1, 1) views (None: Nones)."""
@@ -157,14 +207,24 @@ class PaddedBatch:
 
 
 def padded_batches(groups, side: str, dtype, device, draws: bool) -> list[PaddedBatch]:
-    """`groups` by length (n for side "p", m for "q"), cut where a length doubles."""
+    """`groups` by length (n for side "p", m for "q"), cut where padding would double the work.
+
+    Each batch costs a fixed number of operations (kernel launches on a GPU),
+    so the fewer the better; the padded batch's elements, which the QR works
+    through, stay at most twice the groups' own.
+    """
     length = (lambda g: g.n) if side == "p" else (lambda g: g.m)
-    batches, current = [], []
+    batches, current, own = [], [], 0
     for g in sorted(groups, key=length):  # stable: the same batches on every rank
-        if current and length(g) > 2 * length(current[0]):
-            batches.append(current)
-            current = []
+        size = g.count * g.rank * length(g)
+        if current:
+            count = sum(c.count for c in current) + g.count
+            padded = count * max(g.rank, *(c.rank for c in current)) * length(g)
+            if padded > 2 * (own + size):
+                batches.append(current)
+                current, own = [], 0
         current.append(g)
+        own += size
     if current:
         batches.append(current)
     return [PaddedBatch(b, side, dtype, device, draws) for b in batches]
@@ -268,11 +328,17 @@ class Factors:
             g.matrices = torch.zeros(g.count, g.n, g.m, dtype=self.dtype, device=self.device)
             g.first = first
             first += g.count
+            g.cache_views()
         # Which matrix each element of the flat buffers belongs to: per-matrix
         # flags (finite or not) for the whole bucket come from one indexed sum.
         self.matrix_count = first
         self.p_matrix = self._matrix_ids(p_order, p_sizes)
         self.q_matrix = self._matrix_ids(q_order, q_sizes)
+        self.matrix_ids = {"p": self.p_matrix, "q": self.q_matrix}
+        self.memories = {"p": self.p_memory, "q": self.q_memory}
+        # A partner batch's side -> (its memory, the scratch its random draw goes to):
+        # a Q̂ partner goes with a P that is sent, and the other way round.
+        self.partner_flats = {"q": (self.q_memory, self.q_local), "p": (self.p_memory, self.p)}
         self.all_finite = torch.ones(first, dtype=torch.bool, device=self.device)
         self.p_finite = self.all_finite
         # How much of each buffer an alternating step sends, by step parity.
@@ -290,22 +356,24 @@ class Factors:
         """(K,) bool: whether every element of each matrix in `parts` is finite.
 
         `parts`: (flat tensor, its matrix ids) pairs; a tensor may be a prefix
-        of a flat buffer. Matrices in none of them count as finite.
+        of a flat buffer. Matrices in none of them count as finite. A sum is
+        finite where every term is, and NaN or infinite where one is not (or,
+        harmlessly, where finite entries near float's largest overflow it).
         """
-        if self.device.type == "cpu" and all(bool(torch.isfinite(t).all()) for t, _ in parts):
+        if self.device.type == "cpu" and all(math.isfinite(float(t.sum())) for t, _ in parts):
             # The usual case, seen from the host at no cost on the CPU.
             return self.all_finite
-        bad = torch.zeros(self.matrix_count, dtype=torch.int32, device=self.device)
+        sums = torch.zeros(self.matrix_count, dtype=self.dtype, device=self.device)
         for tensor, ids in parts:
-            bad.index_add_(0, ids[: tensor.numel()], (~torch.isfinite(tensor)).to(torch.int32))
-        return bad == 0
+            sums.index_add_(0, ids[: tensor.numel()], tensor)
+        return (sums - sums) == 0  # NaN wherever the sum is not finite
 
     def drop_non_finite_error(self, finite: torch.Tensor) -> None:
         """Zero the error buffers of the matrices whose flag in `finite` (K,) is False."""
         # On the CPU a host-side look at the flags costs nothing and saves a
         # pass over every error buffer; on an accelerator it would stall the
         # stream, so there the fill runs unconditionally.
-        if self.device.type == "cpu" and bool(finite.all()):
+        if self.device.type == "cpu" and finite is self.all_finite:
             return
         for g in self.groups.values():
             g.matrices.masked_fill_(~finite[g.first : g.first + g.count].view(-1, 1, 1), 0)

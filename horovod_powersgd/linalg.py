@@ -26,14 +26,37 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def _peak_scaled_(matrices: torch.Tensor, dim: int) -> torch.Tensor:
+    """Divide each vector along `dim` by its largest entry, in place; returns `matrices`.
+
+    The results below do not depend on a vector's scale, but its norm does: in
+    float32 a vector of entries near 1e19 (a gradient under a huge loss scale)
+    has an infinite norm, one near 1e-20 a zero norm. Scaled, every norm lies
+    between 1 and sqrt(length). A zero vector stays zero (divided by the
+    smallest normal number); a non-finite one stays non-finite.
+    """
+    peak = matrices.abs().amax(dim=dim, keepdim=True)
+    return matrices.div_(peak.clamp_(min=torch.finfo(matrices.dtype).tiny))
+
+
 def orthogonalize_(matrices: torch.Tensor) -> torch.Tensor:
     """Orthonormalise the columns of each matrix of a (k, n, r) batch, in place.
 
-    Modified Gram-Schmidt with re-orthogonalisation, batched over k: every
-    matrix is normalised by its own column norms (never one norm for the whole
-    batch). A column that is zero, or numerically dependent on the columns
-    before it, becomes zero instead of NaN or noise, so P̂·P̂ᵀ is always an
-    orthogonal projection.
+    One batched Householder QR (`torch.linalg.qr`), so the cost is a fixed
+    number of operations whatever k and r (on a GPU each operation is a kernel
+    launch; Gram-Schmidt needed about 10 per column). Every matrix is handled
+    by its own norms, never one norm for the whole batch. A column that is zero,
+    or numerically dependent on the columns before it (|R_jj| below 1000 eps of
+    its norm), becomes zero instead of noise, so P̂·P̂ᵀ is always an orthogonal
+    projection onto (a subspace of) the columns' span. (Householder gives a
+    dependent column an arbitrary direction, orthogonal to the others; zeroing
+    it drops that direction. A later, independent column keeps its component
+    along it only where Gram-Schmidt would have: the direction is lost from the
+    span when a dependent column comes before an independent one, which needs
+    a rank-deficient gradient meeting a particular partner.) Signs may differ
+    from Gram-Schmidt's; PowerSGD's products do not depend on them. With n < r
+    only the first n columns can be independent; the rest become zero.
+    Non-finite input gives non-finite output for that matrix only.
 
     Example:
         >>> p = torch.randn(3, 10, 2)
@@ -41,36 +64,19 @@ def orthogonalize_(matrices: torch.Tensor) -> torch.Tensor:
         >>> torch.allclose(q.transpose(1, 2) @ q, torch.eye(2).expand(3, 2, 2), atol=1e-5)
         True
     """
-    finfo = torch.finfo(matrices.dtype)
-    # The result does not depend on the columns' scale, but their norms do: in
-    # float32 a column of entries near 1e19 (a gradient under a huge loss
-    # scale) has an infinite norm, one near 1e-20 a zero norm. Dividing each
-    # column by its largest entry first keeps every norm between 1 and sqrt(n).
-    peak = matrices.abs().amax(dim=1, keepdim=True)  # (k, 1, r)
-    usable = (peak > 0) & torch.isfinite(peak)
-    matrices.div_(torch.where(usable, peak, torch.ones_like(peak)))
+    _peak_scaled_(matrices, dim=1)  # a non-zero column's norm is now at least 1
+    initial = torch.linalg.vector_norm(matrices, dim=1)  # (k, r)
+    q, r = torch.linalg.qr(matrices)  # q: (k, n, min(n, r))
+    columns = q.shape[-1]
+    kept = r.diagonal(dim1=1, dim2=2).abs()  # (k, min(n, r))
     # A column left with less than this fraction of its norm after removing the
-    # columns before it is rounding noise, not a new direction: it counts as
-    # zero. (Normalising it would add a spurious, non-orthogonal direction;
-    # with exact-zero rows in P it cannot even be made orthogonal.)
-    relative_floor = 1000 * finfo.eps
-    initial = torch.linalg.vector_norm(matrices, dim=1, keepdim=True)  # (k, 1, r)
-    rank = matrices.shape[-1]
-    for i in range(rank):
-        col = matrices[:, :, i : i + 1]
-        if i > 0:
-            # Second projection against the columns before ("twice is enough"):
-            # one pass leaves the remainder of a nearly dependent column
-            # pointing partly along them.
-            done = matrices[:, :, :i]
-            col.sub_(done @ (done.transpose(1, 2) @ col))
-        norm = torch.linalg.vector_norm(col, dim=1, keepdim=True)
-        alive = (norm > finfo.tiny) & (norm > relative_floor * initial[:, :, i : i + 1])
-        # where() instead of a clamp: a zero column must give zeros, never NaN/Inf.
-        col.mul_(torch.where(alive, norm.reciprocal(), torch.zeros_like(norm)))
-        if i + 1 < rank:
-            rest = matrices[:, :, i + 1 :]
-            rest.sub_(col @ (col.transpose(1, 2) @ rest))
+    # columns before it is rounding noise, not a new direction: it counts as zero
+    # (a zero column too: 0 > 0 is false).
+    floor = 1000 * torch.finfo(matrices.dtype).eps
+    alive = kept > floor * initial[:, :columns]
+    if columns < matrices.shape[-1]:
+        matrices[:, :, columns:].zero_()
+    torch.mul(q, alive.unsqueeze(1), out=matrices[:, :, :columns])
     return matrices
 
 

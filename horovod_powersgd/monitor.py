@@ -15,8 +15,11 @@ numbers stay as tensors on the device and fold into exponential moving
 averages there. The host reads them only when asked (`layers()`), and every
 `CHECK_EVERY` steps, when the ranks agree on them:
 
-    compressed(name, grad)    # from the gradient hook, after compress()
-    end_step(step, ...)       # after the step; every CHECK_EVERY steps one tiny
+    bucket_ready(bucket, names, grads)  # a bucket's gradients are complete and
+                              # compressed: their norms (one fused op), rounds=1
+                              # also the residuals (before the factors are summed)
+    end_step(step, ...)       # after the step (rounds=2: the residuals, a few ops
+                              # per shape group); every CHECK_EVERY steps one tiny
                               # all-reduce, the detector, the warning, the log line
 
 The early warning watches the whole model's error norm and gradient norm
@@ -41,6 +44,7 @@ import logging
 import math
 import os
 import sys
+import types
 import warnings
 from collections.abc import Callable, Iterable
 
@@ -96,11 +100,14 @@ def warn_at_user_line(message: str, category: type[Warning]) -> None:
     warnings.warn(message, category, stacklevel=depth + 1)
 
 
-def _norm(tensor: torch.Tensor) -> torch.Tensor:
-    """The 2-norm of `tensor`, computed at least in float32 (16-bit norms overflow)."""
-    if tensor.dtype == torch.float64:  # vector_norm refuses to compute it in a narrower dtype
-        return torch.linalg.vector_norm(tensor)
-    return torch.linalg.vector_norm(tensor, dtype=torch.float32)
+def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norms of `tensors`, as one float32 tensor, in one fused operation.
+
+    Computed at least in float32 (16-bit norms overflow).
+    """
+    narrow = any(t.dtype in (torch.float16, torch.bfloat16) for t in tensors)
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32 if narrow else None)
+    return torch.stack(norms).to(torch.float32)
 
 
 def _with_feedback(residual: torch.Tensor, sent: torch.Tensor):
@@ -220,6 +227,7 @@ class LayerMonitor:
         device = self._device()
         # --- this step, per layer: norms of the local gradient, the residual, the factor
         self._norms = torch.zeros(3, count, device=device)
+        self._order: dict[tuple, torch.Tensor] = {}
         # --- moving averages, per layer: relative error, ‖e‖, ‖g‖, and the weight of
         # the steps that counted (the averages are divided by it: no bias towards 0)
         self._ema = torch.zeros(4, count, device=device)
@@ -252,18 +260,36 @@ class LayerMonitor:
         return self.compressor.step_views(self.names[0])[0].device
 
     # --- every step ------------------------------------------------------------------
-    def compressed(self, name: str, grad: torch.Tensor | None) -> None:
-        """Note this layer's local gradient; rounds=1 also its residual and factor."""
-        j = self._index[name]
-        self._norms[0, j] = 0.0 if grad is None else _norm(grad)
-        if self.compressor.config.rounds == 1:
-            # The factor is summed in place once the bucket leaves: read it now.
-            self._note_residual(j, name)
+    def _indices(self, names) -> torch.Tensor:
+        key = tuple(names)
+        if key not in self._order:  # names -> their indices, made once on the device
+            self._order[key] = torch.tensor([self._index[n] for n in names], device=self._device())
+        return self._order[key]
 
-    def _note_residual(self, j: int, name: str) -> None:
-        error, factor = self.compressor.step_views(name)
-        self._norms[1, j] = _norm(error)
-        self._norms[2, j] = _norm(factor)
+    def bucket_ready(self, bucket, names: list[str], params: list[torch.Tensor]) -> None:
+        """Note the local gradients of a bucket's compressed layers (rounds=1: its residuals).
+
+        `names`, `params`: the bucket's compressed layers (not none), whose `.grad` are read.
+
+        Call once the bucket's gradients are all compressed and before its
+        factors are sent (rounds=1 sums them in place).
+        """
+        self._norms[0].index_copy_(0, self._indices(names), _norms([p.grad for p in params]))
+        if self.compressor.config.rounds == 1:
+            self._note_residuals(bucket)
+
+    def compressed(self, name: str, grad: torch.Tensor | None) -> None:
+        """One layer's `bucket_ready` (rounds=1: residuals of its whole bucket)."""
+        grad = torch.zeros((), device=self._norms.device) if grad is None else grad
+        bucket = self.compressor.bucket_of(name)
+        self.bucket_ready(bucket, [name], [types.SimpleNamespace(grad=grad)])
+
+    def _note_residuals(self, bucket=None) -> None:
+        """‖e‖ and ‖F‖ of every matrix of `bucket` (None: all), in two fused operations."""
+        views = list(self.compressor.group_views(bucket))  # never empty where it is called
+        index = self._indices([name for names, _, _ in views for name in names])
+        self._norms[1].index_copy_(0, index, _norms([e for _, es, _ in views for e in es]))
+        self._norms[2].index_copy_(0, index, _norms([f for _, _, fs in views for f in fs]))
 
     def end_step(self, step: int, compressed: bool, totals: Callable[[], dict]) -> None:
         """Fold a finished step in; at checks agree, detect and warn; log when due.
@@ -275,8 +301,7 @@ class LayerMonitor:
         """
         if compressed and self.names:
             if self.compressor.config.rounds == 2:
-                for j, name in enumerate(self.names):
-                    self._note_residual(j, name)
+                self._note_residuals()
             self._fold()
             if step % CHECK_EVERY == 0:
                 self._check(step)

@@ -39,6 +39,7 @@ class Bucket:
         self.index = index
         self.params = params
         self.compressed: list[torch.Tensor] = []  # filled in once the compressor decided
+        self.names: list[str] = []  # of the compressed ones
         self.uncompressed: list[torch.Tensor] = []
         self.plain = False  # rank="auto" sends the whole bucket plain (its rank is 0)
         self.clear()
@@ -103,6 +104,7 @@ class Reducer:
         }
         for b in self.buckets:
             b.compressed = [p for p in b.params if p in self._compressed]
+            b.names = [self.names[p] for p in b.compressed]
             b.uncompressed = [p for p in b.params if p not in self._compressed]
             b.plain = self.compressor.ranks[b.index] == 0
 
@@ -117,8 +119,6 @@ class Reducer:
         bucket = self._bucket_of[p]
         if self.compressing and p in self._compressed:
             self.compressor.compress(self.names[p], p.grad)  # layer by layer during backward
-            if self.monitor is not None:
-                self.monitor.compressed(self.names[p], p.grad)
         self.done.add(p)
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
@@ -158,6 +158,8 @@ class Reducer:
             if p.grad is None:
                 # Unused on this rank; another rank may have a gradient, so send zeros.
                 p.grad = torch.zeros_like(p)
+        if self.monitor is not None and self.compressing and bucket.compressed:
+            self.monitor.bucket_ready(bucket.index, bucket.names, bucket.compressed)
         # Warm-up steps, and buckets that rank="auto" sends plain, are plain Horovod
         # (the user's compression); compressed steps send everything else in
         # comm_dtype (where one is set), the uncompressed gradients included.

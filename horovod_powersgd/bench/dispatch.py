@@ -95,14 +95,15 @@ def measure(make_optimizer, shapes, steps: int = 6, timed: int = 5) -> dict:
         _step(model, opt, step)
         times.append(time.process_time() - start)
     times.sort()
-    median_ms = 1e3 * times[len(times) // 2]
+    median_ms = 1e3 * times[len(times) // 2] if times else float("nan")
     return {"ops": counter.total, "by_op": dict(counter.ops), "cpu_ms": median_ms}
 
 
-def library_ops(rank: int, rounds: int, shapes=None, **settings) -> dict:
+def library_ops(rank: int, rounds: int, shapes=None, timed: int = 5, **settings) -> dict:
     """{"ops", "horovod_ops", "extra_ops", "cpu_ms", "extra_cpu_ms", "top"} for one setting.
 
-    Horovod must be initialised. `settings` go to horovod_powersgd.DistributedOptimizer.
+    Horovod must be initialised. `timed`: steps whose CPU time is measured (0: none);
+    `settings` go to horovod_powersgd.DistributedOptimizer.
     """
     import horovod.torch as hvd
 
@@ -120,7 +121,7 @@ def library_ops(rank: int, rounds: int, shapes=None, **settings) -> dict:
         sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         return hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
 
-    mine, base = measure(ours, shapes), measure(horovods, shapes)
+    mine, base = measure(ours, shapes, timed=timed), measure(horovods, shapes, timed=timed)
     extra = collections.Counter(mine["by_op"])
     extra.subtract(base["by_op"])
     return {
