@@ -123,8 +123,11 @@ BENCH_RECORDS := docs/results/bench
 BENCH_PAIRED = -np 2 --paired --warmup-steps 15 --block-steps 3 --steps 10 \
 	--budget-s $(BENCH_BUDGET_S) --ranks $(BENCH_RANKS)
 # Per job: the fp16, statistics and DDP-hook rows at rank 2 (the LSTM's 4, as today's targets).
+# First, the ops a steady-state step dispatches over Horovod's and the local work's CPU time,
+# ResNet-50's shapes at ranks 4 and 32, both schedules (docs/gpu.md, "The CPU proxy").
 bench: setup
 	mkdir -p $(BENCH_RECORDS)
+	$(PY) -m horovod_powersgd.bench.dispatch --json $(BENCH_RECORDS)/dispatch.json
 	failed=""; \
 	for model in $(BENCH_MODELS); do \
 		for link in $(BENCH_LINKS); do \
