@@ -21,7 +21,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype PowerSGD state and math use for parameters of `dtype`.
 
     16-bit parameters get float32 state: the error buffer accumulates small
-    residuals that bfloat16 would round away, and Gram-Schmidt needs the range.
+    residuals that bfloat16 would round away, and the QR needs the range.
     """
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 

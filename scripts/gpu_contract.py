@@ -95,7 +95,7 @@ def full_rank_equals_plain_average(rounds):
         for (n, p), ref in zip(model.named_parameters(), reference.parameters()):
             expected = hvd.allreduce(ref.grad, name=f"expected.{rounds}.{step}.{n}")
             error = float((p.grad - expected).norm() / expected.norm())
-            # The bounds of tests/parallel/test_rounds.py (float32 Gram-Schmidt).
+            # The bounds of tests/parallel/test_rounds.py (float32 orthogonalisation).
             assert error < (1e-3 if rounds == 2 else 1e-4), (step, n, error)
         with opt.skip_synchronize():
             opt.step()
