@@ -349,8 +349,8 @@ def test_rounds1_full_rank_delivers_the_average_every_step():
 @pytest.mark.parametrize("rounds", [2, 1])
 def test_many_shapes_in_one_bucket_give_what_each_matrix_gives_alone(rounds):
     # Factors of different shapes are orthogonalised together, zero-padded
-    # the padding must change nothing a matrix gets. Lengths that
-    # double start a new batch; (3, 50) at rank 4 is full rank; two 64x64 share a group.
+    # the padding must change nothing a matrix gets beyond rounding. (3, 50) at
+    # rank 4 is full rank; two 64x64 share a group.
     torch.manual_seed(13)
     shapes = [(24, 40), (40, 24), (30, 90), (100, 20), (7, 300), (64, 64), (64, 64), (3, 50)]
     config = {"rank": 4, "rounds": rounds, "min_compression_rate": 0}
@@ -363,6 +363,12 @@ def test_many_shapes_in_one_bucket_give_what_each_matrix_gives_alone(rounds):
             for kind in memories:
                 c._state_tensor(kind, "w0").copy_(together[w]._state_tensor(kind, f"w{i}"))
     step = simulated_step if rounds == 2 else alternating_step
+    # Padding changes the rounding of the QR (other sizes, other summation order),
+    # and rounds=2's warm start with error feedback amplifies it step by step:
+    # measured with OMP_NUM_THREADS=1, seeds 13-19, the largest difference of the
+    # 4th step was 0.8e-5-5.7e-5 (1st step: at most 1e-6); rounds=1's stays at
+    # most 1.8e-6. Bounds: 4x and 5x those.
+    atol = 2e-4 if rounds == 2 else 1e-5
     for _ in range(4):
         grads = [{f"w{i}": torch.randn(s) for i, s in enumerate(shapes)} for _ in range(2)]
         outs = step(together, grads)
@@ -370,8 +376,8 @@ def test_many_shapes_in_one_bucket_give_what_each_matrix_gives_alone(rounds):
         for i in range(len(shapes)):
             single = step(alone[i], [{"w0": g[f"w{i}"]} for g in grads])
             single = single[0] if rounds == 2 else single
-            torch.testing.assert_close(outs[0][f"w{i}"], single[0]["w0"], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(outs[0][f"w{i}"], single[0]["w0"], rtol=1e-4, atol=atol)
             torch.testing.assert_close(
                 error_buffer(together[1], f"w{i}"), error_buffer(alone[i][1], "w0"),
-                rtol=1e-4, atol=1e-5,
+                rtol=1e-4, atol=atol,
             )  # fmt: skip
