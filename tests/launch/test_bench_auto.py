@@ -28,6 +28,10 @@ def test_bench_runs_rank_auto_and_reports_its_plan_and_bytes(tmp_path):
         record = records[config]
         assert 0 < record["bytes_per_step"] <= plain, record
         assert record["median_step_ms"] > 0, record
-        # The plan it settled on, one entry per bucket, and the link it measured.
+        # The plan it settled on, one entry per bucket, and the link it measured. On an
+        # unlimited loopback the fit of a few milliseconds' all-reduces can find no cost
+        # per byte (2026-12-04: 2 of 6 jobs on this code, one in make test, one beside it; 0 of 4
+        # on the code before the local work became one QR): the report says so instead.
         assert record["detail"].startswith("plan ["), record["detail"]
-        assert "Mbit/s" in record["detail"], record["detail"]
+        link = record["detail"].split("link", 1)[-1]
+        assert "Mbit/s" in link or "no cost per byte measured" in link, record["detail"]
