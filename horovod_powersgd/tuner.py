@@ -309,7 +309,7 @@ class Tuner:
     def _plan(self, opt) -> None:
         self.measurements = self._gather(opt)
         profile = os.environ.get(PROFILE_VARIABLE)
-        if profile and self.comm.set_rank() == 0:  # the ranks' means: one file is enough
+        if profile and self.comm.set_rank == 0:  # the ranks' means: one file is enough
             with open(profile, "w") as f:
                 json.dump(self.measurements.to_dict(), f, indent=1)
         if self.pinned is not None:
