@@ -104,9 +104,76 @@ class Measurements:
             plain = _timeline(self, [PLAIN] * len(self.buckets))
             object.__setattr__(self, "rest_s", max(self.step_s - plain, 0.0))
 
-    def with_link(self, link: Link) -> Measurements:
-        """The same job planned for another link (the rest of the step as measured)."""
+    def with_link(self, link) -> Measurements:
+        """The same job planned for another link (the rest of the step as measured).
+
+        `link`: anything with `seconds(nbytes)` for one all-reduce: a `Link`, or a
+        `collectives.ClusterLink` (the scale CLI's clusters).
+        """
         return dataclasses.replace(self, link=link)
+
+    def scaled(self, compute: float) -> Measurements:
+        """The same job on a device where every second of local work takes `compute` s.
+
+        Backward's timeline, the local work and the rest of the step scale alike
+        (a GPU profile or a measured ratio of step times gives the factor).
+        """
+
+        def option(o: Option) -> Option:
+            return dataclasses.replace(
+                o, compress_s=o.compress_s * compute, work_s=o.work_s * compute
+            )
+
+        buckets = tuple(
+            dataclasses.replace(
+                b, ready_s=b.ready_s * compute, options={r: option(o) for r, o in b.options.items()}
+            )
+            for b in self.buckets
+        )
+        return dataclasses.replace(
+            self,
+            buckets=buckets,
+            backward_s=self.backward_s * compute,
+            step_s=self.step_s * compute,
+            rest_s=self.rest_s * compute,
+        )
+
+    def to_dict(self) -> dict:
+        """A JSON-ready profile of the job (`from_dict` reads it back)."""
+        return {
+            "rounds": self.rounds,
+            "backward_s": self.backward_s,
+            "step_s": self.step_s,
+            "rest_s": self.rest_s,
+            "link": {"latency_s": self.link.latency_s, "bytes_per_s": self.link.bytes_per_s},
+            "buckets": [
+                {
+                    "ready_s": b.ready_s,
+                    "plain_bytes": b.plain_bytes,
+                    "options": {str(r): dataclasses.asdict(o) for r, o in b.options.items()},
+                }
+                for b in self.buckets
+            ],
+        }
+
+    @staticmethod
+    def from_dict(data: dict) -> Measurements:
+        buckets = tuple(
+            Bucket(
+                b["ready_s"],
+                b["plain_bytes"],
+                {int(r): Option(**o) for r, o in b["options"].items()},
+            )
+            for b in data["buckets"]
+        )
+        return Measurements(
+            buckets,
+            data["backward_s"],
+            data["step_s"],
+            Link(**data["link"]),
+            data["rounds"],
+            data["rest_s"],
+        )
 
 
 def _timeline(m: Measurements, plan: Sequence[int]) -> float:

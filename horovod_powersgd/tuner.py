@@ -43,6 +43,7 @@ held back is lost. The plan and its measurements are in the optimizer's state.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -59,6 +60,9 @@ from .config import PowerSGDConfig, parse_link
 logger = logging.getLogger("horovod_powersgd")
 
 LINK_ENV = "HOROVOD_POWERSGD_LINK"
+# Where the first rank writes the job's measurements (planner.Measurements.to_dict), once
+# auto has measured: the profile `python -m horovod_powersgd.bench.scale` predicts from.
+PROFILE_VARIABLE = "HOROVOD_POWERSGD_PROFILE"
 CLEAN, TIMED, PROBE = (1, 2, 3), (4, 5), (6, 7)  # steps of the measure phase, by index
 MEASURE_STEPS = 8
 TRIAL_STEPS = 5
@@ -304,6 +308,10 @@ class Tuner:
 
     def _plan(self, opt) -> None:
         self.measurements = self._gather(opt)
+        profile = os.environ.get(PROFILE_VARIABLE)
+        if profile and self.comm.set_rank == 0:  # the ranks' means: one file is enough
+            with open(profile, "w") as f:
+                json.dump(self.measurements.to_dict(), f, indent=1)
         if self.pinned is not None:
             # The real step times say nothing about a pinned link: the model decides.
             plan = planner.choose(self.measurements, self.ladder, TOLERANCE)

@@ -17,7 +17,9 @@ Model (per worker, synchronous data parallelism, W workers, link rate B bit/s):
 
 The fit is least squares with one intercept per configuration and one shared
 slope, over measurements at several bandwidths (an unlimited run counts as
-zero wire time).
+zero wire time). The ring's steps and bytes are collectives.py's (the one table
+of collective costs); the step model that plans and scales is planner.py's with
+collectives.py (bench/scale.py): this fit only summarises measured runs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ..collectives import TABLE
 from .netcap import parse_bandwidth
 
 
@@ -38,7 +41,7 @@ def ring_factor(workers: int) -> float:
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    return 2.0 * (workers - 1) / workers
+    return float(TABLE["ring"][1](workers))
 
 
 def wire_seconds(bytes_per_step: float, workers: int, bits_per_second: float | None) -> float:
@@ -114,7 +117,7 @@ def predict_step_s(
     compute_scale: float = 1.0,
 ) -> float:
     """Predicted seconds of one step of ``config`` on W workers at a link rate."""
-    latency = rounds * 2 * (workers - 1) * hop_latency_s
+    latency = rounds * TABLE["ring"][0](workers) * hop_latency_s
     wire = model.efficiency * wire_seconds(bytes_per_step, workers, bits_per_second)
     return model.fixed_s[config] * compute_scale + latency + wire
 

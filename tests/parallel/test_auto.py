@@ -3,6 +3,7 @@
 The planner's choices from given measurements are tested in tests/unit/test_planner.py.
 """
 
+import json
 import os
 
 import horovod.torch as hvd
@@ -13,8 +14,11 @@ from helpers import assert_same_on_every_rank, batch, local_gradients
 from torch import nn
 
 import horovod_powersgd as hps
+from horovod_powersgd import planner
 from horovod_powersgd import reducer as reducer_module
 from horovod_powersgd import tuner as tuner_module
+from horovod_powersgd.bench import scale
+from horovod_powersgd.collectives import parse_cluster
 
 
 @pytest.fixture(autouse=True)
@@ -224,3 +228,24 @@ def test_bad_auto_settings_fail_at_once_on_every_rank():
                 named_parameters=model.named_parameters(),
                 **{"rank": "auto", **kwargs},
             )
+
+
+def test_the_first_rank_writes_the_profile_the_scale_cli_predicts_from(tmp_path, monkeypatch):
+    # Each rank names its own file: only the first rank of the set may write one.
+    path = tmp_path / f"profile-{hvd.rank()}.json"
+    monkeypatch.setenv(tuner_module.PROFILE_VARIABLE, str(path))
+    model = make_model()
+    opt = auto(model, auto_link="20mbit")
+    train(model, opt, tuner_module.MEASURE_STEPS + 2)
+    assert path.exists() == (hvd.rank() == 0)
+    if hvd.rank() == 0:
+        # The profile predicts every plan as auto's own model did when it planned.
+        profile = planner.Measurements.from_dict(json.loads(path.read_text()))
+        measured = opt._tuner.measurements
+        assert len(profile.buckets) == len(opt._reducer.buckets)
+        for plan in ([0] * len(profile.buckets), plan_of(opt)):
+            assert planner.predict(profile, plan) == pytest.approx(planner.predict(measured, plan))
+        rows = scale.table(
+            profile, parse_cluster("1x2,intra=1GB/10us,inter=1GB/10us"), [2], ["1gbit"]
+        )
+        assert rows[0]["step_ms"]["horovod"] > 0

@@ -1,0 +1,195 @@
+"""What one collective costs on a cluster: the alpha-beta model, in one table.
+
+Pure (no Horovod, no tensors). A hop moves n bytes in `latency_s + n / bytes_per_s`.
+A collective over W workers takes a number of sequential steps, each paying a
+hop's latency, and puts a share of its n bytes on every link:
+
+    | collective                | latency steps   | bytes on each link |
+    | ring all-reduce           | 2(W-1)          | 2(W-1)/W · n       |
+    | tree all-reduce           | 2·ceil(log2 W)  | 2 · n              |
+    | ring reduce-scatter       | W-1             | (W-1)/W · n        |
+    | ring all-gather           | W-1             | (W-1)/W · n        |
+
+(the tree row is a reduce up and a broadcast down a binary tree, pipelined, as
+NCCL's double binary tree: latency grows with log2 W, but each byte crosses a
+link twice.) On a cluster of N nodes of L workers, with an intra-node hop and an
+inter-node hop (per NIC, `nics` NICs a node):
+
+* flat all-reduce (NCCL's choice, "nccl"): the faster of ring and tree, as
+  NCCL's tuner picks one by size and scale from its own table (the model does
+  not know NCCL's table, only the two costs); across nodes every step waits for
+  the slower, inter-node hop, whose bandwidth the node's NICs add up (one ring
+  per NIC, as NCCL's channels do);
+* hierarchical all-reduce (Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE): reduce-
+  scatter inside each node, an all-reduce of each 1/L shard across the N nodes
+  (the L shards share the node's NICs), all-gather inside the node.
+
+`ClusterLink` gives the planner (planner.py) the cost of one all-reduce on a
+cluster in the same form as a `Link` measured on this machine, so one step
+model serves the running job and the scale CLI (bench/scale.py).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+# kind -> (latency steps, bytes on each link per byte) for W >= 2 workers.
+TABLE = {
+    "ring": (lambda w: 2 * (w - 1), lambda w: 2 * (w - 1) / w),
+    "tree": (lambda w: 2 * math.ceil(math.log2(w)), lambda w: 2.0),
+    "reduce_scatter": (lambda w: w - 1, lambda w: (w - 1) / w),
+    "all_gather": (lambda w: w - 1, lambda w: (w - 1) / w),
+}
+ALGORITHMS = ("ring", "tree", "nccl", "hierarchical")
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One link between two workers: `latency_s` per message, `bytes_per_s` of bandwidth."""
+
+    latency_s: float
+    bytes_per_s: float
+
+    def scaled(self, bandwidth: float) -> Hop:
+        """The same hop with `bandwidth` times the bytes per second."""
+        return Hop(self.latency_s, self.bytes_per_s * bandwidth)
+
+
+def collective_s(kind: str, nbytes: float, workers: int, hop: Hop) -> float:
+    """Seconds of one collective of `kind` (TABLE) over `workers` on links like `hop`.
+
+    Example:
+        >>> hop = Hop(latency_s=1e-5, bytes_per_s=1e9)
+        >>> round(collective_s("ring", 1e6, 4, hop) * 1e6)  # 6 steps, 1.5 MB a link
+        1560
+        >>> round(collective_s("tree", 1e6, 4, hop) * 1e6)  # 4 steps, 2 MB a link
+        2040
+    """
+    if workers <= 1:
+        return 0.0
+    steps, share = TABLE[kind]
+    return steps(workers) * hop.latency_s + share(workers) * nbytes / hop.bytes_per_s
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """N `nodes` of L workers (`per_node`), linked by `intra` inside a node and `inter` between."""
+
+    nodes: int
+    per_node: int
+    intra: Hop
+    inter: Hop
+    nics: int = 1
+
+    def __post_init__(self):
+        if self.nodes < 1 or self.per_node < 1 or self.nics < 1:
+            raise ValueError(f"a cluster needs nodes, per_node and nics >= 1: {self}")
+
+    @property
+    def workers(self) -> int:
+        return self.nodes * self.per_node
+
+    def with_inter(self, bytes_per_s: float) -> Cluster:
+        return Cluster(
+            self.nodes, self.per_node, self.intra, Hop(self.inter.latency_s, bytes_per_s), self.nics
+        )
+
+    def with_workers(self, workers: int) -> Cluster:
+        """The same nodes' kind, `workers` in all (whole nodes; fewer than one node: one)."""
+        if workers <= self.per_node:
+            return Cluster(1, workers, self.intra, self.inter, self.nics)
+        if workers % self.per_node:
+            raise ValueError(f"{workers} workers are not whole nodes of {self.per_node}")
+        return Cluster(workers // self.per_node, self.per_node, self.intra, self.inter, self.nics)
+
+
+def allreduce_s(nbytes: float, cluster: Cluster, algorithm: str = "nccl") -> float:
+    """Seconds of one all-reduce of `nbytes` on `cluster` (module docstring).
+
+    Example:
+        >>> fast, slow = Hop(2e-6, 100e9), Hop(20e-6, 25e9 / 8)  # NVLink-ish; 25 Gbit/s
+        >>> c = Cluster(nodes=2, per_node=8, intra=fast, inter=slow)
+        >>> round(allreduce_s(100e6, c, "ring") * 1e3, 1)  # 30 steps of 20 us, 1.875 x 100 MB
+        60.6
+        >>> round(allreduce_s(100e6, c, "hierarchical") * 1e3, 1)  # 12.5 MB shards, 8 share a NIC
+        33.8
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if cluster.workers <= 1:
+        return 0.0
+    if algorithm == "hierarchical" and cluster.nodes > 1 and cluster.per_node > 1:
+        inside = 2 * collective_s("reduce_scatter", nbytes, cluster.per_node, cluster.intra)
+        # The node's L shards cross at once: each gets nics / L of the node's bandwidth.
+        shared = cluster.inter.scaled(cluster.nics / cluster.per_node)
+        shard = nbytes / cluster.per_node
+        across = min(collective_s(k, shard, cluster.nodes, shared) for k in ("ring", "tree"))
+        return inside + across
+    hop = cluster.inter.scaled(cluster.nics) if cluster.nodes > 1 else cluster.intra
+    kinds = ("ring", "tree") if algorithm in ("nccl", "hierarchical") else (algorithm,)
+    return min(collective_s(k, nbytes, cluster.workers, hop) for k in kinds)
+
+
+@dataclass(frozen=True)
+class ClusterLink:
+    """An all-reduce on `cluster`, in the planner's form of a link (`seconds(nbytes)`)."""
+
+    cluster: Cluster
+    algorithm: str = "nccl"
+
+    def seconds(self, nbytes: float) -> float:
+        return allreduce_s(nbytes, self.cluster, self.algorithm)
+
+
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+
+
+def parse_rate(text: str) -> float:
+    """Bytes per second from "25gbit", "100mbit", "12.5GB" (per second).
+
+    Example:
+        >>> parse_rate("25gbit"), parse_rate("2GB")
+        (3125000000.0, 2000000000.0)
+    """
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(bit|b)\s*", text, re.IGNORECASE)
+    if not match:
+        raise ValueError(f"a rate like '25gbit' or '12.5GB', got {text!r}")
+    value, unit, kind = float(match[1]), _UNITS[match[2].lower()], match[3]
+    return value * unit / 8 if kind.lower() == "bit" else value * unit
+
+
+def parse_hop(text: str) -> Hop:
+    """A hop from "RATE/LATENCY", e.g. "25gbit/20us"."""
+    rate, _, latency = text.partition("/")
+    match = re.fullmatch(r"\s*([0-9.]+)\s*(s|ms|us|ns)\s*", latency or "0us")
+    if not match:
+        raise ValueError(f"a hop like '25gbit/20us', got {text!r}")
+    return Hop(float(match[1]) * _TIME[match[2]], parse_rate(rate))
+
+
+def parse_cluster(text: str) -> Cluster:
+    """A cluster from "NODESxPER_NODE,intra=RATE/LAT,inter=RATE/LAT[,nics=K]".
+
+    Example:
+        >>> c = parse_cluster("4x8,intra=100GB/2us,inter=25gbit/20us,nics=2")
+        >>> c.workers, c.inter.bytes_per_s, c.nics
+        (32, 3125000000.0, 2)
+    """
+    shape, *fields = [part.strip() for part in text.split(",")]
+    match = re.fullmatch(r"(\d+)x(\d+)", shape)
+    if not match:
+        raise ValueError(f"a cluster starts with NODESxPER_NODE, got {shape!r}")
+    values = dict(field.split("=", 1) for field in fields)
+    unknown = set(values) - {"intra", "inter", "nics"}
+    if unknown or not {"intra", "inter"} <= set(values):
+        raise ValueError(f"a cluster needs intra= and inter= (and may have nics=): {text!r}")
+    return Cluster(
+        int(match[1]),
+        int(match[2]),
+        parse_hop(values["intra"]),
+        parse_hop(values["inter"]),
+        int(values.get("nics", 1)),
+    )

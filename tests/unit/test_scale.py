@@ -1,0 +1,134 @@
+"""The step model at scale: collective costs worked by hand, profiles, the scale CLI."""
+
+import json
+import math
+
+import pytest
+
+from horovod_powersgd import collectives, planner
+from horovod_powersgd.bench import scale
+from horovod_powersgd.collectives import Cluster, ClusterLink, Hop
+
+HOP = Hop(latency_s=10e-6, bytes_per_s=1e9)
+
+
+@pytest.mark.parametrize(
+    "kind, workers, seconds",
+    [
+        # ring all-reduce: 2(W-1) latencies, 2(W-1)/W of the bytes on each link
+        ("ring", 2, 2 * 10e-6 + 1 * 1e6 / 1e9),
+        ("ring", 8, 14 * 10e-6 + 1.75 * 1e6 / 1e9),
+        # tree: 2 log2 W latencies (rounded up), every byte twice
+        ("tree", 8, 6 * 10e-6 + 2 * 1e6 / 1e9),
+        ("tree", 5, 6 * 10e-6 + 2 * 1e6 / 1e9),
+        # reduce-scatter and all-gather: half a ring all-reduce each
+        ("reduce_scatter", 4, 3 * 10e-6 + 0.75 * 1e6 / 1e9),
+        ("all_gather", 4, 3 * 10e-6 + 0.75 * 1e6 / 1e9),
+        ("ring", 1, 0.0),
+    ],
+)
+def test_collective_costs_as_worked_by_hand(kind, workers, seconds):
+    assert collectives.collective_s(kind, 1e6, workers, HOP) == pytest.approx(seconds)
+
+
+def test_small_messages_latency_grows_linearly_for_a_ring_and_with_log2_for_a_tree():
+    # NCCL's own measurements show this shape (the ring's small-message latency
+    # roughly doubles from 2 to 4 to 8 nodes; docs/scale.md holds the check).
+    ring = [collectives.collective_s("ring", 0, w, HOP) for w in (2, 4, 8, 16)]
+    tree = [collectives.collective_s("tree", 0, w, HOP) for w in (2, 4, 8, 16)]
+    assert [round(r / ring[0], 3) for r in ring] == [1.0, 3.0, 7.0, 15.0]
+    assert [round(t / tree[0], 3) for t in tree] == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_cluster_all_reduce_flat_and_hierarchical_by_hand():
+    fast, slow = Hop(1e-6, 100e9), Hop(20e-6, 1e9)
+    c = Cluster(nodes=4, per_node=4, intra=fast, inter=slow)
+    n = 64e6
+    ring = 30 * 20e-6 + (30 / 16) * n / 1e9
+    tree = 2 * 4 * 20e-6 + 2 * n / 1e9
+    assert collectives.allreduce_s(n, c, "ring") == pytest.approx(ring)
+    assert collectives.allreduce_s(n, c, "nccl") == pytest.approx(min(ring, tree))
+    # reduce-scatter and all-gather in the node, then the 4 shards of 16 MB
+    # all-reduced across 4 nodes, sharing the node's one NIC (1/4 of it each).
+    inside = 2 * (3 * 1e-6 + 0.75 * n / 100e9)
+    across = 6 * 20e-6 + 1.5 * (n / 4) / (1e9 / 4)
+    assert collectives.allreduce_s(n, c, "hierarchical") == pytest.approx(inside + across)
+    # Two NICs a node double the inter-node bandwidth of the flat ring.
+    two = Cluster(4, 4, fast, slow, nics=2)
+    flat_two = 30 * 20e-6 + (30 / 16) * n / 2e9
+    assert collectives.allreduce_s(n, two, "ring") == pytest.approx(flat_two)
+    # One node: only the intra-node hop; one worker: nothing to reduce.
+    assert collectives.allreduce_s(n, Cluster(1, 4, fast, slow), "ring") == pytest.approx(
+        6 * 1e-6 + 1.5 * n / 100e9
+    )
+    assert collectives.allreduce_s(n, Cluster(1, 1, fast, slow)) == 0.0
+
+
+def test_cluster_text_and_bad_text():
+    c = collectives.parse_cluster("2x8,intra=100GB/2us,inter=25gbit/20us")
+    assert (c.nodes, c.per_node, c.nics) == (2, 8, 1)
+    assert (c.inter.latency_s, c.inter.bytes_per_s) == pytest.approx((20e-6, 25e9 / 8))
+    assert (c.intra.latency_s, c.intra.bytes_per_s) == pytest.approx((2e-6, 100e9))
+    assert c.with_workers(64).nodes == 8 and c.with_workers(4).per_node == 4
+    for bad in (
+        "2x8",
+        "2x8,intra=1gbit/2us",
+        "8,intra=1gbit,inter=1gbit",
+        "2x8,intra=fast,inter=1gbit",
+    ):
+        with pytest.raises(ValueError):
+            collectives.parse_cluster(bad)
+    with pytest.raises(ValueError, match="whole nodes"):
+        c.with_workers(12)
+
+
+def profile(rounds=2) -> planner.Measurements:
+    """A small job: 3 buckets of 4 MB; rank 2 sends 1 % of the bytes for 5 ms of work each."""
+    option = planner.Option(compress_s=0.002, work_s=0.005, round1_bytes=2e4, round2_bytes=2e4)
+    buckets = tuple(
+        planner.Bucket(ready_s=0.01 * (i + 1), plain_bytes=4e6, options={2: option})
+        for i in range(3)
+    )
+    link = planner.Link(latency_s=1e-4, bytes_per_s=1e9)
+    return planner.Measurements(buckets, backward_s=0.03, step_s=0.08, link=link, rounds=rounds)
+
+
+def test_a_cluster_link_that_costs_what_the_measured_link_costs_predicts_the_same():
+    m = profile()
+    # One node of 2 workers: a ring all-reduce is 2 latencies + n / bandwidth.
+    same = ClusterLink(Cluster(1, 2, Hop(0.5e-4, 1e9), Hop(1, 1)))
+    for plan in ([0, 0, 0], [2, 2, 2], [0, 2, 0]):
+        assert planner.predict(m.with_link(same), plan) == pytest.approx(planner.predict(m, plan))
+
+
+def test_a_profile_round_trips_through_json_and_scales():
+    m = profile()
+    back = planner.Measurements.from_dict(json.loads(json.dumps(m.to_dict())))
+    for plan in ([0, 0, 0], [2, 2, 2]):
+        assert planner.predict(back, plan) == pytest.approx(planner.predict(m, plan))
+    # On a link that costs nothing, the whole step is local work: half the time, half the step.
+    free = planner.Link(latency_s=0.0, bytes_per_s=math.inf)
+    half = m.scaled(0.5).with_link(free)
+    for plan in ([0, 0, 0], [2, 2, 2]):
+        assert planner.predict(half, plan) == pytest.approx(
+            0.5 * planner.predict(m.with_link(free), plan)
+        )
+
+
+def test_the_cli_finds_powersgd_pays_on_slow_links_only(tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile().to_dict()))
+    out = tmp_path / "rows.json"
+    cluster = "1x8,intra=100GB/2us,inter=25gbit/20us"
+    args = ["--profile", str(path), "--cluster", cluster, "--workers", "2,64,1024"]
+    scale.main([*args, "--bandwidths", "100mbit,400gbit", "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert len(rows) == 6 and "| workers |" in capsys.readouterr().out
+    for row in rows:
+        # 2 workers fit in one node: only the fast intra-node hop is used.
+        slow = row["bandwidth"] == "100mbit" and row["nodes"] > 1
+        assert row["fastest"].startswith("powersgd") == slow, row
+        assert row["speedup"]["horovod"] == 1.0
+    slow = [r for r in rows if r["bandwidth"] == "100mbit"]
+    # More workers, more latency steps and more of the bytes on each link: plain slows down.
+    assert [r["step_ms"]["horovod"] for r in slow] == sorted(r["step_ms"]["horovod"] for r in slow)
