@@ -381,3 +381,38 @@ def test_many_shapes_in_one_bucket_give_what_each_matrix_gives_alone(rounds):
                 error_buffer(together[1], f"w{i}"), error_buffer(alone[i][1], "w0"),
                 rtol=1e-4, atol=atol,
             )  # fmt: skip
+
+
+def test_orthogonalize_more_columns_than_rows_keeps_n_and_zeroes_the_rest():
+    torch.manual_seed(4)
+    p = orthogonalize_(torch.randn(2, 3, 5))
+    gram = p.transpose(1, 2) @ p
+    torch.testing.assert_close(gram[:, :3, :3], torch.eye(3).expand(2, 3, 3), atol=1e-5, rtol=0)
+    assert torch.equal(p[:, :, 3:], torch.zeros(2, 3, 2))
+
+
+def test_orthogonalize_a_non_finite_matrix_leaves_the_others_of_the_batch_alone():
+    torch.manual_seed(6)
+    batch = torch.randn(3, 40, 4)
+    expected = orthogonalize_(batch[[0, 2]].clone())
+    batch[1, 7, 2] = float("nan")
+    orthogonalize_(batch)
+    torch.testing.assert_close(batch[[0, 2]], expected)
+    assert not torch.isfinite(batch[1]).all()
+
+
+@pytest.mark.parametrize("shape", [(5, 64, 1), (5, 64, 32), (40, 64, 32)])
+def test_orthogonalize_dispatches_the_same_ops_whatever_the_rank_and_batch(shape):
+    # On a GPU every op is a kernel launch: the count must not grow with r or k
+    # (Gram-Schmidt took about ten per column).
+    from horovod_powersgd.bench.dispatch import OpCounter
+
+    counter = OpCounter()
+    batch = torch.randn(*shape)
+    with counter:
+        orthogonalize_(batch)
+    assert counter.total <= 15, counter.ops
+    reference, small = OpCounter(), torch.randn(2, 8, 2)
+    with reference:
+        orthogonalize_(small)
+    assert counter.ops == reference.ops
