@@ -160,6 +160,7 @@ def horovod_launcher(settings: dict, env: dict[str, str]) -> list[str]:
             "PATH",
             "HOROVOD_CYCLE_TIME",
             "HOROVOD_FUSION_THRESHOLD",
+            "HOROVOD_POWERSGD_PROFILE",  # rank="auto" writes its measurements (bench.scale)
             "PYTHONPATH",
         ):
             if var in env:
