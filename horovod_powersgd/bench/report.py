@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import targets
+from . import confidence, targets
 from .stats import Record
 from .targets import find as _find
 from .targets import label
@@ -46,7 +46,7 @@ def table_rows(records: Sequence[Record]) -> list[list[str]]:
             return f"{r.median_step_ms / ref.median_step_ms:.2f}"
         if r is ref:
             return "1.00"
-        return f"{interval.median:.3f} [{interval.lo:.3f}, {interval.hi:.3f}]"
+        return str(interval)
 
     for r in records:
         rows.append(
@@ -134,14 +134,14 @@ def _measured(c: targets.Comparison) -> str:
     interval = c.interval()
     if interval is None:
         return f"{c.value():.2f}x"
-    return f"{interval.median:.3f}x [{interval.lo:.3f}, {interval.hi:.3f}]"
+    return interval.describe("x")
 
 
 def target_rows(records: Sequence[Record]) -> list[tuple[str, str, str, str]]:
     """(target, measured, limit, verdict) for every target the records can answer.
 
     Ratios of records from one paired job are medians of per-round ratios with their
-    95 % interval; a target is then hit, missed or not resolved (its limit inside).
+    interval (confidence.py); a target is then hit, missed or not resolved (its limit inside).
     """
     rows = []
     for at in group_by_link(records).values():
@@ -365,8 +365,10 @@ def describe_settings(settings: dict) -> str:
             f"until its tuner settles, at least 40), then rounds of one block per configuration "
             f"in rotating order: 1 untimed + {settings['block_steps']} timed steps. A block's "
             "time is the median of its steps, a step's the slowest worker's. `x horovod` and "
-            "`x local` are medians of per-round ratios with 95 % percentile-bootstrap "
-            "intervals over rounds (2000 resamples, seed 0). A job stops when every interval "
+            "`x local` are medians of per-round ratios with distribution-free intervals from "
+            f"the rounds' order statistics, {confidence.LOOK_CONFIDENCE:.0%} each so that the "
+            f"one a job stops with covers {confidence.CONFIDENCE:.0%} after its repeated looks "
+            f"(none under {confidence.MIN_ROUNDS} rounds). A job stops when every interval "
             f"its targets need is within +-{settings.get('tolerance', 0.01):.1%} (at least "
             f"{settings['min_rounds']} rounds) or before its {settings['budget_s']:.0f} s "
             "budget runs out. Peak RSS is the whole job's (all configurations share it)."
