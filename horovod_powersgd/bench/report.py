@@ -348,8 +348,11 @@ def write_markdown(
     path.write_text(text + ("\n" + notes if notes else ""))
 
 
-def describe_settings(settings: dict) -> str:
-    """One paragraph on how a job (or a set of jobs) ran, from the settings it recorded."""
+def describe_settings(settings: dict, *, with_separate: bool = False) -> str:
+    """One paragraph on how a job (or a set of jobs) ran, from the settings it recorded.
+
+    ``with_separate``: a paired job whose DDP rows ran as jobs of their own beside it.
+    """
     text = (
         f"{settings['np']} workers, batch {settings['batch_size']} per worker, "
         f"{settings['threads']} torch thread(s) per worker, Horovod controller "
@@ -372,6 +375,14 @@ def describe_settings(settings: dict) -> str:
             f"its targets need is within +-{settings.get('tolerance', 0.01):.1%} (at least "
             f"{settings['min_rounds']} rounds) or before its {settings['budget_s']:.0f} s "
             "budget runs out. Peak RSS is the whole job's (all configurations share it)."
+            + (
+                " torch's DDP hook cannot share a process with Horovod: its rows ran as jobs "
+                f"of their own beside the paired one, {settings['warmup_steps']} warm-up + "
+                f"{settings['steps']} timed steps each, and their ratios divide medians, "
+                "without interval."
+                if with_separate
+                else ""
+            )
         )
     return text + (
         f"{settings['warmup_steps']} warm-up + {settings['steps']} timed steps per run, "
@@ -391,7 +402,14 @@ def settings_lines(records: Sequence[Record]) -> list[str]:
             if shown not in distinct:
                 distinct.append(shown)
     missing = any(r.settings is None for r in records)
-    lines = [f"Settings: {describe_settings(s)}" for s in distinct]
+    # A paired job's DDP rows ran beside it with the same settings: one paragraph says both.
+    paired = [s for s in distinct if s.get("paired")]
+    beside = [s for s in distinct if s.get("paired") is False and _same_job(s, paired)]
+    lines = [
+        f"Settings: {describe_settings(s, with_separate=_same_job(s, beside))}"
+        for s in distinct
+        if s not in beside
+    ]
     if missing:
         lines.append(
             "Settings: not recorded with some of these records (written before records kept them)."
@@ -400,6 +418,11 @@ def settings_lines(records: Sequence[Record]) -> list[str]:
         "`bytes ratio` = bytes of a plain fp32 all-reduce / bytes this configuration sent."
     )
     return [line for pair in zip(lines, [""] * len(lines)) for line in pair]
+
+
+def _same_job(settings: dict, others: Sequence[dict]) -> bool:
+    """Whether ``settings`` and one of ``others`` differ in nothing but being paired."""
+    return any(dict(settings, paired=None) == dict(o, paired=None) for o in others)
 
 
 # What differs from one job to the next of the same settings: shown per job, not here.

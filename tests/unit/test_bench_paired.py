@@ -185,7 +185,7 @@ def test_report_renders_the_settings_the_records_carry_not_the_command_line(tmp_
     from horovod_powersgd.bench import report
 
     job = dict(
-        np=2, batch_size=96, warmup_steps=15, block_steps=3, min_rounds=8, budget_s=900.0,
+        np=2, batch_size=96, warmup_steps=15, steps=10, block_steps=3, min_rounds=8, budget_s=900.0,
         tolerance=0.01, threads=1, controller="mpi", start_iter=2, min_compression_rate=2.0,
         paired=True, stopped="budget", rounds=12, seconds=940, warmup_s=60,
     )  # fmt: skip
@@ -194,10 +194,16 @@ def test_report_renders_the_settings_the_records_carry_not_the_command_line(tmp_
         _rec("horovod", None, plain, settings=dict(job)),
         _rec("horovod-slowed", None, [x * 1.05 for x in plain], settings=dict(job, slowdown=0.05)),
     ]
+    # torch's DDP hook ran beside the paired job, a job of its own with the same settings.
+    separate = {k: v for k, v in job.items() if k not in report.JOB_OUTCOME}
+    ddp = _rec("ddp-powersgd", 2, [100.0], settings=dict(separate, paired=False))
+    records.append(dataclasses.replace(ddp, round_ms=None))
     path = tmp_path / "report.md"
     report.write_markdown(records, path, command="make bench")
     text = path.read_text()
     assert "batch 96 per worker" in text and "Paired:" in text
+    # One Settings paragraph, that says both: not a second one as if every row were separate.
+    assert text.count("Settings:") == 1 and "its rows ran as jobs of their own beside" in text
     # The budget counts the timed rounds; the warm-up before them is said beside it.
     assert "stopped after 12 rounds, 940 s in all: its time budget (900 s of rounds, " in text
     assert "after 60 s of warm-up) ran out" in text
