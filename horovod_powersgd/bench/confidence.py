@@ -63,7 +63,7 @@ class Interval:
     def describe(self, unit: str = "") -> str:
         """``1.050x [1.040, 1.060]`` with unit "x"; says so when there is no interval."""
         if not self.exists:
-            return f"{self.median:.3f}{unit} [no interval: too few rounds]"
+            return f"{self.median:.3f}{unit} [no interval]"
         return f"{self.median:.3f}{unit} [{self.lo:.3f}, {self.hi:.3f}]"
 
     def __str__(self) -> str:
