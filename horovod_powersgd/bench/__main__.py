@@ -47,7 +47,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import report, targets
+from . import confidence, report, targets
 from .models import MODELS
 from .netcap import (
     BandwidthCapError,
@@ -506,7 +506,12 @@ def _add_paired_arguments(p: argparse.ArgumentParser) -> None:
         "blocks, ratios with 95 %% intervals (DDP ones still run as jobs of their own)",
     )
     p.add_argument("--block-steps", type=int, default=3, help="--paired: timed steps per block")
-    p.add_argument("--min-rounds", type=int, default=8, help="--paired: rounds before a stop")
+    p.add_argument(
+        "--min-rounds",
+        type=int,
+        default=confidence.MIN_ROUNDS,
+        help="--paired: rounds before a stop (fewer than %(default)s give no interval)",
+    )
     p.add_argument("--max-rounds", type=int, default=1000, help="--paired: at most")
     p.add_argument(
         "--budget-s",

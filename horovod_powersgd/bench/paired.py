@@ -270,7 +270,7 @@ def main(argv=None) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--warmup-steps", type=int, default=15)
     p.add_argument("--block-steps", type=int, default=3, help="timed steps per block")
-    p.add_argument("--min-rounds", type=int, default=8)
+    p.add_argument("--min-rounds", type=int, default=confidence.MIN_ROUNDS)
     p.add_argument("--max-rounds", type=int, default=1000)
     p.add_argument("--budget-s", type=float, default=900.0)
     p.add_argument("--tolerance", type=float, default=confidence.TOLERANCE)

@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import targets
+from . import confidence, targets
 from .stats import Record
 from .targets import find as _find
 from .targets import label
@@ -46,7 +46,7 @@ def table_rows(records: Sequence[Record]) -> list[list[str]]:
             return f"{r.median_step_ms / ref.median_step_ms:.2f}"
         if r is ref:
             return "1.00"
-        return f"{interval.median:.3f} [{interval.lo:.3f}, {interval.hi:.3f}]"
+        return str(interval)
 
     for r in records:
         rows.append(
@@ -134,14 +134,14 @@ def _measured(c: targets.Comparison) -> str:
     interval = c.interval()
     if interval is None:
         return f"{c.value():.2f}x"
-    return f"{interval.median:.3f}x [{interval.lo:.3f}, {interval.hi:.3f}]"
+    return interval.describe("x")
 
 
 def target_rows(records: Sequence[Record]) -> list[tuple[str, str, str, str]]:
     """(target, measured, limit, verdict) for every target the records can answer.
 
     Ratios of records from one paired job are medians of per-round ratios with their
-    95 % interval; a target is then hit, missed or not resolved (its limit inside).
+    interval (confidence.py); a target is then hit, missed or not resolved (its limit inside).
     """
     rows = []
     for at in group_by_link(records).values():
@@ -348,8 +348,11 @@ def write_markdown(
     path.write_text(text + ("\n" + notes if notes else ""))
 
 
-def describe_settings(settings: dict) -> str:
-    """One paragraph on how a job (or a set of jobs) ran, from the settings it recorded."""
+def describe_settings(settings: dict, *, with_separate: bool = False) -> str:
+    """One paragraph on how a job (or a set of jobs) ran, from the settings it recorded.
+
+    ``with_separate``: a paired job whose DDP rows ran as jobs of their own beside it.
+    """
     text = (
         f"{settings['np']} workers, batch {settings['batch_size']} per worker, "
         f"{settings['threads']} torch thread(s) per worker, Horovod controller "
@@ -365,11 +368,21 @@ def describe_settings(settings: dict) -> str:
             f"until its tuner settles, at least 40), then rounds of one block per configuration "
             f"in rotating order: 1 untimed + {settings['block_steps']} timed steps. A block's "
             "time is the median of its steps, a step's the slowest worker's. `x horovod` and "
-            "`x local` are medians of per-round ratios with 95 % percentile-bootstrap "
-            "intervals over rounds (2000 resamples, seed 0). A job stops when every interval "
+            "`x local` are medians of per-round ratios with distribution-free intervals from "
+            f"the rounds' order statistics, {confidence.LOOK_CONFIDENCE:.0%} each so that the "
+            f"one a job stops with covers {confidence.CONFIDENCE:.0%} after its repeated looks "
+            f"(none under {confidence.MIN_ROUNDS} rounds). A job stops when every interval "
             f"its targets need is within +-{settings.get('tolerance', 0.01):.1%} (at least "
             f"{settings['min_rounds']} rounds) or before its {settings['budget_s']:.0f} s "
             "budget runs out. Peak RSS is the whole job's (all configurations share it)."
+            + (
+                " torch's DDP hook cannot share a process with Horovod: its rows ran as jobs "
+                f"of their own beside the paired one, {settings['warmup_steps']} warm-up + "
+                f"{settings['steps']} timed steps each, and their ratios divide medians, "
+                "without interval."
+                if with_separate
+                else ""
+            )
         )
     return text + (
         f"{settings['warmup_steps']} warm-up + {settings['steps']} timed steps per run, "
@@ -389,7 +402,14 @@ def settings_lines(records: Sequence[Record]) -> list[str]:
             if shown not in distinct:
                 distinct.append(shown)
     missing = any(r.settings is None for r in records)
-    lines = [f"Settings: {describe_settings(s)}" for s in distinct]
+    # A paired job's DDP rows ran beside it with the same settings: one paragraph says both.
+    paired = [s for s in distinct if s.get("paired")]
+    beside = [s for s in distinct if s.get("paired") is False and _same_job(s, paired)]
+    lines = [
+        f"Settings: {describe_settings(s, with_separate=_same_job(s, beside))}"
+        for s in distinct
+        if s not in beside
+    ]
     if missing:
         lines.append(
             "Settings: not recorded with some of these records (written before records kept them)."
@@ -398,6 +418,11 @@ def settings_lines(records: Sequence[Record]) -> list[str]:
         "`bytes ratio` = bytes of a plain fp32 all-reduce / bytes this configuration sent."
     )
     return [line for pair in zip(lines, [""] * len(lines)) for line in pair]
+
+
+def _same_job(settings: dict, others: Sequence[dict]) -> bool:
+    """Whether ``settings`` and one of ``others`` differ in nothing but being paired."""
+    return any(dict(settings, paired=None) == dict(o, paired=None) for o in others)
 
 
 # What differs from one job to the next of the same settings: shown per job, not here.

@@ -1,9 +1,9 @@
 """What the benchmark promises, and how a target is judged from records (pure, no timing).
 
 A target compares two configurations of the same model at the same link. When both ran in
-one paired job (``Record.round_ms``), the ratio is the median of per-round ratios with a
-bootstrap interval and the verdict is ``hit``, ``missed`` or ``not resolved``; records of
-separate jobs give a ratio of medians and no interval.
+one paired job (``Record.round_ms``), the ratio is the median of per-round ratios with an
+order-statistic interval (confidence.py) and the verdict is ``hit``, ``missed`` or
+``not resolved``; records of separate jobs give a ratio of medians and no interval.
 """
 
 from __future__ import annotations

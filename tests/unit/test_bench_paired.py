@@ -1,6 +1,7 @@
 """The pure parts of the paired benchmark: intervals, the stopping rule, verdicts, targets.
 
-Deterministic: fixed seeds and made-up rounds, no timing.
+Deterministic: fixed seeds and made-up rounds, no timing. The intervals' coverage:
+test_bench_intervals.py.
 """
 
 import dataclasses
@@ -15,32 +16,22 @@ from horovod_powersgd.bench.paired import describe_plan
 from horovod_powersgd.bench.stats import Record
 
 
-def test_bootstrap_interval_is_reproducible_and_holds_the_median():
+def test_interval_is_two_of_the_rounds_and_holds_the_median():
     rng = random.Random(1)
     values = [1.05 + rng.gauss(0, 0.02) for _ in range(40)]
-    first = confidence.bootstrap_median(values)
-    assert first == confidence.bootstrap_median(values)  # fixed seed: same report twice
-    assert first.lo <= first.median <= first.hi
-    assert first.median == confidence.median(values)
-    assert confidence.bootstrap_median(values, seed=7) != first  # the seed is what fixes it
+    interval = confidence.median_interval(values)
+    assert interval == confidence.median_interval(values[::-1])  # the same report twice
+    assert interval.lo in values and interval.hi in values  # order statistics, no resampling
+    assert interval.lo <= interval.median <= interval.hi
+    assert interval.median == confidence.median(values)
 
 
-def test_bootstrap_interval_narrows_with_more_rounds_and_covers_the_truth():
+def test_interval_narrows_with_more_rounds_and_covers_the_truth():
     rng = random.Random(2)
-    few = confidence.bootstrap_median([1.05 + rng.gauss(0, 0.03) for _ in range(10)])
-    many = confidence.bootstrap_median([1.05 + rng.gauss(0, 0.03) for _ in range(400)])
+    few = confidence.median_interval([1.05 + rng.gauss(0, 0.03) for _ in range(10)])
+    many = confidence.median_interval([1.05 + rng.gauss(0, 0.03) for _ in range(400)])
     assert many.half_width < few.half_width / 3
     assert many.lo < 1.05 < many.hi
-
-
-def test_bootstrap_coverage_is_about_95_percent():
-    rng = random.Random(3)
-    covered = 0
-    for trial in range(200):
-        values = [1.0 + rng.expovariate(20) for _ in range(30)]  # skewed, median 1 + ln2/20
-        interval = confidence.bootstrap_median(values, resamples=500, seed=trial)
-        covered += interval.lo <= 1.0 + 0.6931 / 20 <= interval.hi
-    assert 0.88 <= covered / 200 <= 0.99
 
 
 def test_round_ratios_pair_rounds_one_to_one():
@@ -110,10 +101,10 @@ def _rec(config, rank, rounds, bandwidth="unlimited", model="gpt", **extra):
 
 
 def test_auto_is_held_to_the_faster_of_plain_and_fp16_on_an_unlimited_link():
-    plain = [100.0, 101.0, 99.0, 100.0]
+    plain = [100.0, 101.0, 99.0, 100.0] * 2  # 8 rounds: the fewest with an interval
     records = [
         _rec("horovod", None, plain),
-        _rec("horovod-fp16", None, [110.0, 111.0, 109.0, 110.0]),
+        _rec("horovod-fp16", None, [110.0, 111.0, 109.0, 110.0] * 2),
         _rec("powersgd-auto", None, [x * 1.01 for x in plain]),
     ]
     (comparison,) = targets.comparisons(records)
@@ -123,7 +114,7 @@ def test_auto_is_held_to_the_faster_of_plain_and_fp16_on_an_unlimited_link():
 
 
 def test_capped_auto_is_judged_against_its_own_schedule_and_shown_beside_the_other():
-    base = [100.0, 102.0, 98.0, 100.0, 101.0]
+    base = [100.0, 102.0, 98.0, 100.0, 101.0] * 2
     records = [
         _rec("local", None, [x * 0.9 for x in base], "50mbit"),
         _rec("powersgd", 2, base, "50mbit"),
@@ -148,7 +139,7 @@ def test_records_of_separate_jobs_have_no_interval_and_say_so():
 
 
 def test_the_injected_slowdown_is_a_needed_interval_and_so_is_every_ratio_without_targets():
-    plain = [100.0, 100.5, 99.5, 100.0]
+    plain = [100.0, 100.5, 99.5, 100.0] * 2
     slowed = _rec("horovod-slowed", None, [x * 1.05 for x in plain], settings={"slowdown": 0.05})
     records = [_rec("horovod", None, plain), slowed, _rec("local", None, plain)]
     rows = targets.comparisons(records)
@@ -194,19 +185,25 @@ def test_report_renders_the_settings_the_records_carry_not_the_command_line(tmp_
     from horovod_powersgd.bench import report
 
     job = dict(
-        np=2, batch_size=96, warmup_steps=15, block_steps=3, min_rounds=8, budget_s=900.0,
+        np=2, batch_size=96, warmup_steps=15, steps=10, block_steps=3, min_rounds=8, budget_s=900.0,
         tolerance=0.01, threads=1, controller="mpi", start_iter=2, min_compression_rate=2.0,
         paired=True, stopped="budget", rounds=12, seconds=940, warmup_s=60,
     )  # fmt: skip
-    plain = [100.0, 101.0, 99.0]
+    plain = [100.0, 101.0, 99.0] * 3
     records = [
         _rec("horovod", None, plain, settings=dict(job)),
         _rec("horovod-slowed", None, [x * 1.05 for x in plain], settings=dict(job, slowdown=0.05)),
     ]
+    # torch's DDP hook ran beside the paired job, a job of its own with the same settings.
+    separate = {k: v for k, v in job.items() if k not in report.JOB_OUTCOME}
+    ddp = _rec("ddp-powersgd", 2, [100.0], settings=dict(separate, paired=False))
+    records.append(dataclasses.replace(ddp, round_ms=None))
     path = tmp_path / "report.md"
     report.write_markdown(records, path, command="make bench")
     text = path.read_text()
     assert "batch 96 per worker" in text and "Paired:" in text
+    # One Settings paragraph, that says both: not a second one as if every row were separate.
+    assert text.count("Settings:") == 1 and "its rows ran as jobs of their own beside" in text
     # The budget counts the timed rounds; the warm-up before them is said beside it.
     assert "stopped after 12 rounds, 940 s in all: its time budget (900 s of rounds, " in text
     assert "after 60 s of warm-up) ran out" in text
