@@ -212,7 +212,8 @@ class _DistributedOptimizer:
 
     def _take_sparse(self, names) -> None:
         """The sparse parameters of a saved or another rank's state, by name."""
-        params = [p for p in self._params if self._names[p] in set(names)]
+        names = set(names)
+        params = [p for p in self._params if self._names[p] in names]
         self._sparse.update(params)
         self._sparse_checks = self._sparse_checks or bool(params)
         if not self.config.sparse_as_dense:
