@@ -144,6 +144,34 @@ class Comm:
             **self.scale,
         )  # fmt: skip
 
+    def sparse_allreduce_async(self, grad: torch.Tensor, name: str):
+        """Start summing sparse `grad` over the ranks by all-gathering its indices and values.
+
+        As Horovod sends a sparse gradient without sparse_as_dense: every rank's
+        (coalesced) rows travel as they are, and the result holds all of them,
+        averaged with op=Average. Counted like an uncompressed gradient. Returns
+        a function that waits and gives the aggregate (sparse, equal on every rank).
+        """
+        grad = grad.coalesce()
+        indices, values = grad.indices().t().contiguous(), grad.values()
+        self.elements_sent += indices.numel() + values.numel()
+        self.bytes_sent += indices.numel() * 8 + values.numel() * values.element_size()
+        name = f"{self.name}.{name}"
+        handles = [
+            hvd.allgather_async(t, name=f"{name}.{part}", process_set=self.process_set)
+            for part, t in (("values", values), ("indices", indices))
+        ]
+        size, average = self.size, self.op == hvd.Average
+
+        def result() -> torch.Tensor:
+            values, indices = (wait(h) for h in handles)
+            if average:
+                values = values / size
+            # Valid by construction (every rank's indices of a tensor of this shape).
+            return torch.sparse_coo_tensor(indices.t(), values, grad.shape, check_invariants=False)
+
+        return result
+
     poll = staticmethod(hvd.poll)
     wait = staticmethod(wait)
 

@@ -429,6 +429,13 @@ class PowerSGDCompressor:
         old = {n: self._matrix_state(n) for n in self._where if self._bucket_of[n] in changed}
         self.ranks.update(ranks)
         self._build(changed)
+        self._restore(old)
+        for factors in self.of_buckets(changed):
+            factors.warm = False  # its memories were not averaged at this rank yet
+        return {name: error for name, (error, _) in old.items() if name not in self._where}
+
+    def _restore(self, old: dict) -> None:
+        """Copy `_matrix_state`s back into the matrices still compressed (leading columns)."""
         for name, (error, memories) in old.items():
             if name in self._where:
                 group, i = self._where[name]
@@ -437,9 +444,24 @@ class PowerSGDCompressor:
                     now = self._state_tensor(key, name)
                     columns = min(now.shape[1], memory.shape[1])
                     now[:, :columns].copy_(memory[:, :columns])
-        for factors in self.of_buckets(changed):
-            factors.warm = False  # its memories were not averaged at this rank yet
-        return {name: error for name, (error, _) in old.items() if name not in self._where}
+
+    def exclude(self, names: Iterable[str]) -> None:
+        """Never compress `names` again (their gradients travel elsewhere, e.g. sparse).
+
+        Their state is dropped; the other matrices of their buckets keep theirs.
+        """
+        names = set(names) & {name for name, _ in self._tensors}
+        if not names:
+            return
+        buckets = {self._bucket_of[n] for n in names}
+        old = {
+            n: self._matrix_state(n)
+            for n in self._where
+            if self._bucket_of[n] in buckets and n not in names
+        }
+        self._tensors = [(n, t) for n, t in self._tensors if n not in names]
+        self._build(buckets)
+        self._restore(old)
 
     def _matrix_state(self, name: str):
         """(error buffer, {memory key: memory}) of `name`, copied."""

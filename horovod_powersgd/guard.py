@@ -47,8 +47,13 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     of changes, of any size and sign, cancels (the position-free sum it
     replaces missed half of the pairs of opposite one-ulp changes). Hashing the
     fingerprints (see `DriftGuard.check`) turns them into a few numbers.
-    About 2·sqrt(numel) words for a large tensor, two passes over it.
+    About 2·sqrt(numel) words for a large tensor, two passes over it. A
+    sparse tensor (SGD's momentum of sparse gradients) is fingerprinted by its
+    coalesced indices and values.
     """
+    if tensor.is_sparse:
+        tensor = tensor.coalesce()
+        return torch.cat([fingerprint(tensor.indices()), fingerprint(tensor.values())])
     words = _words(tensor)
     rows = words.numel() // _COLUMNS
     if rows <= 1:
@@ -166,10 +171,16 @@ class DriftGuard:
         names = [name for (name, _), bad in zip(self.named, differs) if bad]
         if names:
             self.repairs += 1
-            tensors = []
+            tensors, sparse = [], []
             for (_, p), bad in zip(self.named, differs):
                 if bad:
                     tensors.append(p.data)
-                    tensors.extend(self._state_tensors(p, state).values())
+                    for key, t in self._state_tensors(p, state).items():
+                        if t.is_sparse:  # broadcast dense, set back sparse
+                            sparse.append((state[p], key, t.to_dense()))
+                            t = sparse[-1][2]
+                        tensors.append(t)
             self.comm.broadcast_(tensors, "drift.repair")
+            for entries, key, dense in sparse:
+                entries[key] = dense.to_sparse()
         return names

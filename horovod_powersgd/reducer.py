@@ -41,6 +41,7 @@ class Bucket:
         self.compressed: list[torch.Tensor] = []  # filled in once the compressor decided
         self.names: list[str] = []  # of the compressed ones
         self.uncompressed: list[torch.Tensor] = []
+        self.dense: list[torch.Tensor] = []  # all but those that travel elsewhere (sparse)
         self.plain = False  # rank="auto" sends the whole bucket plain (its rank is 0)
         self.clear()
 
@@ -91,6 +92,7 @@ class Reducer:
         self.two_rounds = compressor.schedule.rounds == 2
         self.buckets = buckets
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.skip: set[torch.Tensor] = set()  # sent by the optimizer (all-gathered, sparse)
         self.refresh()
         self.launched: list[Bucket] = []  # buckets whose first round is in flight
         self.done: set[torch.Tensor] = set()  # parameters whose gradient is final this step
@@ -105,8 +107,10 @@ class Reducer:
         for b in self.buckets:
             b.compressed = [p for p in b.params if p in self._compressed]
             b.names = [self.names[p] for p in b.compressed]
-            b.uncompressed = [p for p in b.params if p not in self._compressed]
+            b.dense = [p for p in b.params if p not in self.skip]
+            b.uncompressed = [p for p in b.dense if p not in self._compressed]
             b.plain = self.compressor.ranks[b.index] == 0
+        self.sending = [b for b in self.buckets if b.dense]  # buckets with a collective
 
     def begin(self, done: int) -> None:
         """A new step: PowerSGD after `done` >= 0 compressed steps, else (warm-up) plain."""
@@ -121,7 +125,7 @@ class Reducer:
             self.compressor.compress(self.names[p], p.grad)  # layer by layer during backward
         self.done.add(p)
         bucket.ready += 1
-        if bucket.ready == len(bucket.params):
+        if bucket.ready == len(bucket.params) and bucket.dense:  # else all sent elsewhere
             self._launch(bucket)
         if self.two_rounds and self.compressing:
             for b in self.launched:  # the Q round of every bucket whose P is back
@@ -131,10 +135,10 @@ class Reducer:
     def finish(self) -> None:
         """Complete every round; afterwards each `p.grad` holds its aggregate (then `reset`)."""
         two_rounds = self.compressing and self.two_rounds
-        for bucket in self.buckets:
+        for bucket in self.sending:
             if two_rounds and bucket.factor_count and len(bucket.handles) == 1:
                 self._second_round(bucket)
-        for bucket in self.buckets:
+        for bucket in self.sending:
             last = self.comm.wait(bucket.handles[-1])
             if len(bucket.handles) == 1:  # one round: the factors lead, the uncompressed follow
                 bucket.received, last = last[bucket.factor_count :], last[: bucket.factor_count]
@@ -154,7 +158,7 @@ class Reducer:
         Called from the hook of the bucket's last gradient, so it leaves while
         backward still runs for the layers before.
         """
-        for p in bucket.params:
+        for p in bucket.dense:
             if p.grad is None:
                 # Unused on this rank; another rank may have a gradient, so send zeros.
                 p.grad = torch.zeros_like(p)
@@ -163,7 +167,7 @@ class Reducer:
         # Warm-up steps, and buckets that rank="auto" sends plain, are plain Horovod
         # (the user's compression); compressed steps send everything else in
         # comm_dtype (where one is set), the uncompressed gradients included.
-        plain = bucket.uncompressed if self.compressing else bucket.params
+        plain = bucket.uncompressed if self.compressing else bucket.dense
         comm_dtype = self.comm_dtype if self.compressing and not bucket.plain else None
         bucket.sent = [(p, *self.comm.to_wire(p.grad, comm_dtype)) for p in plain]
         factors = self.compressor.send_buffers(bucket.index) if self.compressing else []

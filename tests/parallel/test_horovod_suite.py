@@ -26,10 +26,10 @@ Horovod test that builds a DistributedOptimizer -> the test here:
 - ``test_gradient_clipping`` -> `test_gradients_clipped_between_synchronize_and_step_are_applied`
 - ``test_synchronize_step_warning`` -> `test_step_after_synchronize_without_skip_warns_once`
 - ``test_sparse_embeddings`` -> `test_sparse_as_dense_trains_sparse_adam_as_horovod_does` and
-  `test_sparse_as_dense_with_compressed_embeddings_trains_sparse_adam`; its
-  ``sparse_as_dense=False`` half (Horovod all-gathers the sparse gradient) ->
-  `test_sparse_gradients_without_sparse_as_dense_are_refused`: PowerSGD compresses
-  dense matrices only, so this optimizer refuses them on every rank, by design.
+  `test_sparse_as_dense_with_compressed_embeddings_trains_sparse_adam`, and as it is
+  (both halves, Horovod's inputs) -> `test_sparse_embeddings`: without
+  sparse_as_dense the sparse gradient is all-gathered, as Horovod does
+  (more in tests/parallel/test_sparse.py).
 
 Left out:
 
@@ -438,18 +438,33 @@ def test_sparse_as_dense_with_compressed_embeddings_trains_sparse_adam():
     assert_same_on_every_rank(emb.weight, "sparse.compressed")
 
 
-def test_sparse_gradients_without_sparse_as_dense_are_refused():
-    """Horovod's ``test_sparse_embeddings`` (sparse_as_dense=False): refused by design.
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_sparse_embeddings(sparse_as_dense):
+    """Horovod's ``test_sparse_embeddings``, both halves, with the one-line swap.
 
-    Horovod all-gathers sparse gradients; PowerSGD compresses dense matrices, so a
-    sparse gradient without sparse_as_dense raises on every rank, naming the
-    parameter and the way out, before any collective.
+    Horovod's own inputs (rank 0 looks up 8 rows, the others 6), SparseAdam and
+    no named_parameters, as there: the step runs on every rank. Without
+    sparse_as_dense the gradient is all-gathered (indices and values) as
+    Horovod does, outside PowerSGD; the result matches Horovod's optimizer and
+    is the same on every rank.
     """
-    emb = nn.Embedding(10, 3, sparse=True)
-    opt = hps.DistributedOptimizer(
-        torch.optim.SparseAdam(list(emb.parameters()), lr=0.1),
-        named_parameters=emb.named_parameters(),
-    )
-    with pytest.raises(ValueError, match=r"'weight' produced a sparse gradient.*sparse_as_dense"):
-        emb(embedding_inputs(0)).sum().backward()
-    assert opt.compression_stats()["elements_sent"] == 0  # nothing left this rank
+    results = {}
+    for kind in ("horovod", "powersgd"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 3, sparse=True))
+        if hvd.rank() == 0:
+            inp = torch.LongTensor([[1, 2, 4, 5], [4, 3, 2, 9]])
+        else:
+            inp = torch.LongTensor([[1, 3, 4], [4, 7, 9]])
+        opt = torch.optim.SparseAdam(list(model.parameters()), lr=0.1)
+        wrapper = hvd.DistributedOptimizer if kind == "horovod" else hps.DistributedOptimizer
+        opt = wrapper(opt, sparse_as_dense=sparse_as_dense)
+        for _ in range(3):  # Horovod's test steps once; later steps all-gather from the start
+            loss = model(inp).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            assert model[0].weight.grad.is_sparse, kind
+        results[kind] = model[0].weight.detach().clone()
+    torch.testing.assert_close(results["powersgd"], results["horovod"], rtol=1e-6, atol=1e-7)
+    assert_same_on_every_rank(results["powersgd"], f"sparse.horovod.{sparse_as_dense}")

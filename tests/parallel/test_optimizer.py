@@ -297,16 +297,6 @@ def test_bad_named_parameters_raise():
         hps.DistributedOptimizer(opt, named_parameters=named[:-1])
 
 
-def test_sparse_gradient_raises():
-    emb = nn.Embedding(100, 16, sparse=True)
-    opt = hps.DistributedOptimizer(
-        torch.optim.SGD(emb.parameters(), lr=0.1), named_parameters=emb.named_parameters()
-    )
-    with pytest.raises(ValueError, match="sparse"):
-        emb(torch.tensor([1, 2, 3])).sum().backward()
-    del opt
-
-
 @pytest.mark.world_size(2)
 def test_shapes_that_differ_across_ranks_raise_on_every_rank():
     torch.manual_seed(0)

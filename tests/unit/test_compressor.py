@@ -416,3 +416,34 @@ def test_orthogonalize_dispatches_the_same_ops_whatever_the_rank_and_batch(shape
     with reference:
         orthogonalize_(small)
     assert counter.ops == reference.ops
+
+
+def test_exclude_drops_a_matrix_and_keeps_its_neighbours_state():
+    # A parameter found sparse leaves PowerSGD (issue 52, item 7); the rest go on as before.
+    torch.manual_seed(0)
+    shapes = {"emb": (64, 32), "w": (48, 32), "v": (40, 24)}
+    named = [(n, torch.zeros(s)) for n, s in shapes.items()]
+    config = PowerSGDConfig(rank=2)
+    kept = PowerSGDCompressor(named, config)
+    reference = PowerSGDCompressor(named, config)
+    grads = {n: torch.randn(s) for n, s in shapes.items()}
+    for c in (kept, reference):
+        c.begin_step()
+        for n, g in grads.items():
+            c.compress(n, g)
+        q = c.project(c.send_buffers())
+        c.update_error()
+        c.decompress(q)
+    kept.exclude(["emb"])
+    assert kept.compressed_names == ["w", "v"] and not kept.is_compressed("emb")
+    before = reference.state_dict()
+    after = kept.state_dict()
+    assert set(after["error_buffers"]) == {"w", "v"}
+    for key in ("error_buffers", "q_memory"):
+        for n in ("w", "v"):
+            assert torch.equal(after[key][n], before[key][n]), (key, n)
+    kept.begin_step()
+    for n in ("w", "v"):
+        kept.compress(n, grads[n])
+    out = kept.decompress(kept.project(kept.send_buffers()))
+    assert set(out) == {"w", "v"}

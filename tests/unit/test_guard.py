@@ -146,3 +146,17 @@ def test_a_check_refuses_optimizer_states_of_different_layouts():
     guard = DriftGuard([("a", a)], every=1, comm=FakeComm(allgather, None))
     with pytest.raises(ValueError, match=r"parameter 'a' holds other tensors.*ranks \[1\]"):
         guard.check(state)
+
+
+def test_a_sparse_tensor_is_fingerprinted_by_its_indices_and_values():
+    # SGD's momentum of sparse gradients is sparse (issue 52, item 2).
+    dense = torch.zeros(50, 4)
+    dense[[3, 7]] = torch.randn(2, 4)
+    sparse = dense.to_sparse(1)
+    assert torch.equal(fingerprint(sparse), fingerprint(dense.to_sparse(1)))
+    moved = dense.clone()
+    moved[7, 2] = torch.nextafter(moved[7, 2], torch.tensor(1.0))
+    assert not torch.equal(fingerprint(sparse), fingerprint(moved.to_sparse(1)))
+    shifted = torch.zeros(50, 4)
+    shifted[[3, 8]] = dense[[3, 7]]
+    assert not torch.equal(fingerprint(sparse), fingerprint(shifted.to_sparse(1)))
