@@ -86,7 +86,7 @@ class DriftGuard:
         self.checks = 0  # checks done so far
         self.repairs = 0  # checks that found and repaired a difference
         self.requested = False  # check after the next step too (the ranks just agreed)
-        self.extra_differs = False  # the last check's `extra` words differed across ranks
+        self.extra: list[list[int]] = []  # every rank's `extra` words at the last check
         self.pending = False  # the next step() checks
 
     def due(self, step: int) -> bool:
@@ -124,8 +124,8 @@ class DriftGuard:
         Args:
             state: parameter -> its optimizer state (the wrapped optimizer's
                 `state`); the tensors in it are compared and repaired too.
-            extra: int64 words compared in the same all-gather (a digest of the
-                optimizer's settings); `extra_differs` says whether they differed.
+            extra: int64 words to gather in the same all-gather (a digest of the
+                optimizer's settings); every rank's are in `self.extra` after it.
 
         Raises:
             ValueError: on every rank alike, when a parameter's optimizer state
@@ -152,7 +152,7 @@ class DriftGuard:
         # Fixed names: a per-process count would differ on a worker that joined later.
         everyone = self.comm.allgather(mine, "drift").tolist()  # the one read of the result
         count = len(self.named)
-        self.extra_differs = any(row[2 * count :] != everyone[0][2 * count :] for row in everyone)
+        self.extra = [row[2 * count :] for row in everyone]
         differ = [any(row[j] != everyone[0][j] for row in everyone) for j in range(2 * count)]
         for j, (name, p) in enumerate(self.named):
             if differ[j]:

@@ -236,19 +236,25 @@ class _DistributedOptimizer:
         their optimizer state are identical on every rank after it (guard.py),
         and the wrapped optimizer's settings are the first rank's
         (agreement.settings_agreed). Parameters put into param_groups by hand
-        since construction are refused first, before any collective.
+        since construction are refused, on every rank alike.
         """
+        # What else must agree rides in the same all-gather: parameters put into
+        # param_groups by hand (refused on every rank alike) and the settings' digest.
         new = [p for g in self.param_groups for p in g["params"] if p not in self._names]
-        if new:
+        drifted = self._guard.check(self.state, [len(new), *signature_digest(signature(self))])
+        everyone = self._guard.extra
+        if any(row[0] for row in everyone):
+            members = hvd_comm.members(self.process_set)
+            ranks = [members[r] for r, row in enumerate(everyone) if row[0]]
             refuse_new_parameters(
-                describe_new(new, self._model_names),
-                "parameters added to the optimizer's param_groups",
+                describe_new(new, self._model_names) or ["none on this rank"],
+                f"parameters put into param_groups since the optimizer was wrapped, on rank(s) "
+                f"{ranks}",
             )
-        drifted = self._guard.check(self.state, signature_digest(signature(self)))
-        # The settings, in the same all-gather; where they differ, the rare path gathers them.
-        differed = settings_agreed(self, gathered=True) if self._guard.extra_differs else None
-        if differed:  # the same text on every rank
-            warnings.warn(differed, stacklevel=3)
+        if any(row[1:] != everyone[0][1:] for row in everyone):  # the rare path gathers all
+            differed = settings_agreed(self, gathered=True)
+            if differed:  # the same text on every rank
+                warnings.warn(differed, stacklevel=3)
         if drifted:
             # Every rank knows the same list (from one all-gather): all warn alike.
             warnings.warn(

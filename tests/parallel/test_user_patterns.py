@@ -282,15 +282,21 @@ def test_a_parameter_frozen_when_wrapped_then_unfrozen_is_refused_at_the_next_st
         assert_same_on_every_rank(p, n)
 
 
-def test_a_parameter_put_into_param_groups_by_hand_is_refused_at_the_drift_check():
-    # Not through add_param_group: seen at the next drift check, on every rank.
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("where", ["every-rank", "rank-1"])
+def test_a_parameter_put_into_param_groups_by_hand_is_refused_at_the_drift_check(where):
+    # Not through add_param_group: seen at the next drift check, in its all-gather,
+    # so every rank raises alike even where only rank 1 did it (no rank left waiting).
     model = make_model()
     opt = _trunk_optimizer(model, 2)
-    opt.param_groups[0]["params"].append(model[4].weight)
-    opt.zero_grad()
+    if where == "every-rank" or hvd.rank() == 1:
+        opt.param_groups[0]["params"].append(model[4].weight)
     with pytest.raises(ValueError, match=NEW_PARAMETERS) as refused:
         train(model, opt, steps=1)  # the first step checks drift
-    assert "added to the optimizer's param_groups: '4.weight'" in str(refused.value)
+    ranks = [0, 1] if where == "every-rank" else [1]
+    assert f"since the optimizer was wrapped, on rank(s) {ranks}: " in str(refused.value)
+    mine = "'4.weight'" if where == "every-rank" or hvd.rank() == 1 else "none on this rank"
+    assert f"{ranks}: {mine}" in str(refused.value)
 
 
 @pytest.mark.parametrize("rounds", [2, 1])
