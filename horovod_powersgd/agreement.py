@@ -208,19 +208,15 @@ def _first_difference(mine, other, my_rank, other_rank) -> str:
     return "unknown difference"
 
 
-def settings_agreed(opt, gathered: bool = False) -> str | None:
+def settings_agreed(opt) -> str | None:
     """Where the wrapped optimizer's settings differ across ranks, take the first rank's.
 
-    At the first step and at every drift check. A schedule that differs per rank
-    (or a tensor `lr` off in its last bits) would otherwise move the ranks apart
-    between drift checks for the rest of the run; a long job should not die for
-    it, so the ranks go on with the first rank's settings and are told.
-
-    Args:
-        opt: the optimizer.
-        gathered: the caller's all-gather already found the digests different;
-            else one small all-gather compares them first (the usual case: equal,
-            nothing more).
+    At the first step and at every drift check, once the digest of `signature`
+    differed in the all-gather each makes anyway (so, rarely): every rank's rows
+    are gathered here. A schedule that differs per rank (or a tensor `lr` off in
+    its last bits) would otherwise move the ranks apart between drift checks for
+    the rest of the run; a long job should not die for it, so the ranks go on
+    with the first rank's settings and are told.
 
     Returns:
         None where they were equal, else the warning to give: the same text on
@@ -232,12 +228,8 @@ def settings_agreed(opt, gathered: bool = False) -> str | None:
         ValueError: on every rank alike where they cannot be taken over: another
             optimizer type or number of param groups, or another model.
     """
-    comm, rows = opt._comm, signature(opt)
-    if not gathered:
-        digests = comm.allgather(torch.tensor([signature_digest(rows)]), "settings")
-        if bool((digests == digests[0]).all()):
-            return None
-    everyone = [pickle.loads(b) for b in comm.allgather_bytes(pickle.dumps(rows), "settings.full")]
+    blob = pickle.dumps(signature(opt))
+    everyone = [pickle.loads(b) for b in opt._comm.allgather_bytes(blob, "settings.full")]
     ranks = hvd_comm.members(opt.process_set)
     for other_rank, other in enumerate(everyone):
         fixed = [[row for row in rows if row[0] != "setting"] for rows in (everyone[0], other)]
@@ -293,9 +285,10 @@ def refuse_new_parameters(names: list[str], how: str) -> None:
 
     Buckets, compressor, drift check, statistics and rank="auto"'s plan are built
     from the parameters that require grad at construction; others would train on
-    each rank's own gradients, apart. Raised where the change is seen, before any
-    collective, from each rank's own param groups: the same code on every rank
-    makes it the same decision on every rank. Nothing of the optimizer is changed.
+    each rank's own gradients, apart. Raised where the change is seen: from each
+    rank's own param groups before any collective (`add_param_group`, a parameter
+    unfrozen: the same code on every rank makes it one decision), or from a count
+    in the drift check's all-gather (a parameter put into param_groups by hand).
     """
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
     raise ValueError(
@@ -434,7 +427,7 @@ class Agreement:
         if any(row[1] for row in everyone):  # every rank decides from the same rows
             self.settings_due = False
             if any(row[2:6] != everyone[0][2:6] for row in everyone):
-                differed = settings_agreed(opt, gathered=True)  # or raises on every rank
+                differed = settings_agreed(opt)  # or raises on every rank
         if any(row[6:] != everyone[0][6:] for row in everyone):
             root = next((r for r, row in enumerate(everyone) if row[0]), 0)
             self.broadcast(opt, hvd_comm.members(opt.process_set)[root])

@@ -252,7 +252,7 @@ class _DistributedOptimizer:
                 f"{ranks}",
             )
         if any(row[1:] != everyone[0][1:] for row in everyone):  # the rare path gathers all
-            differed = settings_agreed(self, gathered=True)
+            differed = settings_agreed(self)
             if differed:  # the same text on every rank
                 warnings.warn(differed, stacklevel=3)
         if drifted:
