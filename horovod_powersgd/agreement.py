@@ -7,6 +7,12 @@
   settings are compared at the first step, in the same all-gather as the shared
   state (`Agreement.agree`): Horovod lets each rank build it with its own
   learning rate and make them equal with `hvd.broadcast_optimizer_state`.
+* `settings_agreed`: at the first step and at every drift check, settings that
+  still differ (a per-rank schedule, a tensor `lr` off in its last bits) become
+  the first rank's on every rank, with the same warning on every rank.
+* `refuse_new_parameters`: parameters the optimizer did not know when it was
+  built (`add_param_group` after wrapping, a parameter frozen then and trained
+  now) are refused, naming them, before any collective.
 * `Agreement`: the Q (and P) memory, RNG states and step counter must be equal
   on every rank, since P = M·Q is summed across ranks. After construction and
   after any load, the first step compares a digest of them and, where they
@@ -16,6 +22,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import pickle
 import warnings
@@ -35,18 +42,70 @@ _NOT_SETTINGS = ("params", "param_names", SYNC_KEY)
 
 
 # --- the same model on every rank ---------------------------------------------------------
-def _settable(value):
-    """`value` if it is plain data (compared by value across ranks), else its type's name.
+@dataclasses.dataclass(frozen=True)
+class _TensorSetting:
+    """A tensor-valued setting (say `lr=torch.tensor(0.01)`), compared bit for bit.
 
-    An object's repr may hold its address, which differs on every rank.
+    `data` holds its bytes up to 16 elements (enough to take it over from another
+    rank); a larger one is compared by `digest` only.
+    """
+
+    dtype: str
+    shape: tuple
+    data: bytes | None
+    digest: str
+
+    def __repr__(self) -> str:
+        if self.data is None:
+            return f"tensor of shape {self.shape}, {self.dtype}, sha256 {self.digest[:12]}"
+        return repr(self.value().tolist()) + f" ({self.dtype} tensor)"
+
+    def value(self) -> torch.Tensor:
+        dtype = getattr(torch, self.dtype.removeprefix("torch."))
+        return torch.frombuffer(bytearray(self.data), dtype=dtype).reshape(self.shape).clone()
+
+
+@dataclasses.dataclass(frozen=True)
+class _ObjectSetting:
+    """Any other object: compared by its type's name (its repr may hold its address)."""
+
+    type_name: str
+
+    def __repr__(self) -> str:
+        return f"a {self.type_name}"
+
+
+def _settable(value):
+    """`value` if it is plain data (compared by value across ranks), else a stand-in for it.
+
+    A tensor is compared by its bits (its repr rounds to 4 digits), any other
+    object by its type's name.
     """
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
         return value
+    if type(value) in (tuple, list):
+        return type(value)(_settable(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        raw = _raw_bytes(value).tobytes()
+        data = raw if value.numel() <= 16 else None
+        digest = hashlib.sha256(raw).hexdigest()
+        return _TensorSetting(str(value.dtype), tuple(value.shape), data, digest)
+    return _ObjectSetting(type(value).__qualname__)
+
+
+def _restorable(value) -> bool:
+    """Whether a `_settable` stand-in holds the whole value (to take it over from another rank)."""
     if isinstance(value, (tuple, list)):
-        return tuple(_settable(v) for v in value)
-    if isinstance(value, torch.Tensor) and value.numel() <= 16:
-        return repr(value.detach().cpu())
-    return type(value).__qualname__
+        return all(_restorable(v) for v in value)
+    if isinstance(value, _TensorSetting):
+        return value.data is not None
+    return not isinstance(value, _ObjectSetting)
+
+
+def _restored(value):
+    if isinstance(value, (tuple, list)):
+        return type(value)(_restored(v) for v in value)
+    return value.value() if isinstance(value, _TensorSetting) else value
 
 
 def signature(opt, optimizer_settings: bool = True) -> list[tuple]:
@@ -64,6 +123,7 @@ def signature(opt, optimizer_settings: bool = True) -> list[tuple]:
     rows.append(("link", opt._link_setting))
     if optimizer_settings:
         rows.append(("optimizer", opt._base.__qualname__))
+        rows.append(("groups", len(opt.param_groups)))
         for index, group in enumerate(opt.param_groups):
             for key in sorted(k for k in group if k not in _NOT_SETTINGS):
                 rows.append(("setting", index, key, _settable(group[key])))
@@ -104,6 +164,12 @@ def _first_difference(mine, other, my_rank, other_rank) -> str:
             f"the wrapped optimizer is {kinds[0][0][1] if kinds[0] else '?'} on rank {my_rank} "
             f"and {kinds[1][0][1] if kinds[1] else '?'} on rank {other_rank}"
         )
+    groups = [next((row[1] for row in rows if row[0] == "groups"), None) for rows in (mine, other)]
+    if groups[0] != groups[1]:
+        return (
+            f"the wrapped optimizer has {groups[0]} param groups on rank {my_rank} and "
+            f"{groups[1]} on rank {other_rank}; build the same optimizer on every rank"
+        )
     mine_settings = {row[1:3]: row for row in mine if row[0] == "setting"}
     other_settings = {row[1:3]: row for row in other if row[0] == "setting"}
     for where in sorted(mine_settings.keys() | other_settings.keys()):
@@ -123,8 +189,9 @@ def _first_difference(mine, other, my_rank, other_rank) -> str:
             f"HOROVOD_POWERSGD_LINK) is {links[0]!r} on rank {my_rank} and {links[1]!r} on "
             f"rank {other_rank}; set it alike on every rank, or on none"
         )
-    mine = [row for row in mine if row[0] not in ("setting", "optimizer", "link")]
-    other = [row for row in other if row[0] not in ("setting", "optimizer", "link")]
+    skip = ("setting", "optimizer", "groups", "link")
+    mine = [row for row in mine if row[0] not in skip]
+    other = [row for row in other if row[0] not in skip]
     if len(mine) != len(other):
         return (
             f"rank {my_rank} has {len(mine) - 1} parameters with gradients, "
@@ -139,6 +206,107 @@ def _first_difference(mine, other, my_rank, other_rank) -> str:
                 f"{b[0]!r} {b[1:]} on rank {other_rank}"
             )
     return "unknown difference"
+
+
+def settings_agreed(opt) -> str | None:
+    """Where the wrapped optimizer's settings differ across ranks, take the first rank's.
+
+    At the first step and at every drift check, once the digest of `signature`
+    differed in the all-gather each makes anyway (so, rarely): every rank's rows
+    are gathered here. A schedule that differs per rank (or a tensor `lr` off in
+    its last bits) would otherwise move the ranks apart between drift checks for
+    the rest of the run; a long job should not die for it, so the ranks go on
+    with the first rank's settings and are told.
+
+    Returns:
+        None where they were equal, else the warning to give: the same text on
+        every rank, from the same gathered rows, naming each setting and the
+        ranks that held what. The caller warns (after its own collectives, so
+        that a warning raised under -W error leaves no rank waiting).
+
+    Raises:
+        ValueError: on every rank alike where they cannot be taken over: another
+            optimizer type or number of param groups, or another model.
+    """
+    blob = pickle.dumps(signature(opt))
+    everyone = [pickle.loads(b) for b in opt._comm.allgather_bytes(blob, "settings.full")]
+    ranks = hvd_comm.members(opt.process_set)
+    for other_rank, other in enumerate(everyone):
+        fixed = [[row for row in rows if row[0] != "setting"] for rows in (everyone[0], other)]
+        if fixed[0] != fixed[1]:
+            raise ValueError(
+                "the model or PowerSGD settings differ across ranks: "
+                + _first_difference(everyone[0], other, ranks[0], ranks[other_rank])
+            )
+    settings = [{row[1:3]: row[3] for row in rows if row[0] == "setting"} for rows in everyone]
+    lines, kept = [], []
+    for index, key in sorted(set().union(*settings)):
+        values = [mine.get((index, key), "unset") for mine in settings]
+        if all(value == values[0] for value in values):
+            continue
+        held = {}
+        for rank, value in zip(ranks, values):
+            held.setdefault(repr(value), []).append(rank)
+        lines.append(
+            f"{key!r} of param group {index}: "
+            + ", ".join(f"{value} on rank(s) {where}" for value, where in held.items())
+        )
+        if values[0] == "unset" or not _restorable(values[0]):
+            kept.append(f"{key!r} of param group {index}")
+        else:
+            _take_over(opt.param_groups[index], key, _restored(values[0]))
+    if not lines:  # equal values that pickle apart (0.0 and -0.0)
+        return None
+    message = (
+        f"the wrapped optimizer's settings differed across ranks at step {opt.powersgd_step}: "
+        + "; ".join(lines)
+        + f". Every rank now uses rank {ranks[0]}'s"
+        + (f" (except {', '.join(kept)}, which cannot be sent: kept)" if kept else "")
+        + ". A schedule that differs per rank? Change the settings alike on every rank, or "
+        "call hvd.broadcast_optimizer_state after changing them on one"
+    )
+    return message
+
+
+def _take_over(group: dict, key: str, value) -> None:
+    """Set `group[key] = value`; a tensor in place where it can (a scheduler may hold it)."""
+    mine = group.get(key)
+    if torch.is_tensor(value) and torch.is_tensor(mine):
+        if mine.shape == value.shape and mine.dtype == value.dtype:
+            mine.copy_(value)
+            return
+        value = value.to(mine.device)
+    group[key] = value
+
+
+# --- the same parameters as at construction -----------------------------------------------
+def refuse_new_parameters(names: list[str], how: str) -> None:
+    """Raise the ValueError for parameters the optimizer did not know when it was built.
+
+    Buckets, compressor, drift check, statistics and rank="auto"'s plan are built
+    from the parameters that require grad at construction; others would train on
+    each rank's own gradients, apart. Raised where the change is seen: from each
+    rank's own param groups before any collective (`add_param_group`, a parameter
+    unfrozen: the same code on every rank makes it one decision), or from a count
+    in the drift check's all-gather (a parameter put into param_groups by hand).
+    """
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    raise ValueError(
+        f"{how}: {shown}. horovod_powersgd averages only the parameters that require grad "
+        "when the optimizer is wrapped; these would train on each rank's own gradients and "
+        "drift apart. Build the torch optimizer with every parameter you will train (all "
+        "param groups) and wrap it then; to train some of them later (a backbone to "
+        "unfreeze), have them require grad when you wrap it, freeze them after with "
+        "p.requires_grad_(False), and unfreeze them later: they stay averaged"
+    )
+
+
+def describe_new(params, names: dict) -> list[str]:
+    """`params` by name where the user gave one (model.named_parameters()), else by shape."""
+    return [
+        f"{names[p]!r}" if p in names else f"an unnamed parameter of shape {tuple(p.shape)}"
+        for p in params
+    ]
 
 
 # --- the same shared PowerSGD state on every rank -------------------------------------------
@@ -177,10 +345,13 @@ class Agreement:
         world_size: the process set's size now.
         check_settings: compare the wrapped optimizer's settings at the first
             agreement (False under elastic Horovod, whose sync compares the rest).
+        frozen: the optimizer's parameters that did not require grad at construction.
     """
 
-    def __init__(self, active: bool, world_size: int, check_settings: bool = True):
+    def __init__(self, active: bool, world_size: int, check_settings: bool = True, frozen=()):
         self.active = active
+        # Parameters that did not require grad at construction: refused once they do.
+        self.frozen = list(frozen)
         self.pending = active  # agree before the next step's first collective
         # The wrapped optimizer's settings are still to be compared: at the first
         # step, after the user's hvd.broadcast_optimizer_state, not at construction.
@@ -197,7 +368,7 @@ class Agreement:
         """At a step's first hook, before its first collective: agree if due, resized?"""
         if any(SYNC_KEY in group for group in opt.param_groups):
             self._broadcast_ran(opt)
-        if self.pending or self.settings_due:
+        if self.pending or self.settings_due or any(p.requires_grad for p in self.frozen):
             self.agree(opt)  # may change the step counter: first
         if opt._comm.size != self.world_size:
             self._resized(opt)
@@ -230,10 +401,21 @@ class Agreement:
         of the ranks disagreeing on warm-up, phase or shapes in the next
         collective (a hang or a shape mismatch).
 
+        Parameters frozen at construction that now require grad are refused
+        first (`refuse_new_parameters`), before any collective.
+
         The first agreement after construction also compares the wrapped
         optimizer's type and settings (a digest in the same all-gather): where
-        they differ, every rank raises the same ValueError naming the setting.
+        settings differ, every rank takes the first rank's and warns alike,
+        naming them (`settings_agreed`); another type raises on every rank.
         """
+        unfrozen = [p for p in self.frozen if p.requires_grad]
+        if unfrozen:  # before any collective
+            opt._reset_step()  # this step did not start: the next one may, once fixed
+            refuse_new_parameters(
+                describe_new(unfrozen, opt._names),
+                "parameters that did not require grad when the optimizer was wrapped now do",
+            )
         self.pending = False
         opt._guard.request()  # every rank is here: a collective
         digest = state_digest(opt.powersgd_step, opt.compressor.shared_state())
@@ -241,14 +423,16 @@ class Agreement:
         mine = torch.tensor([[*flags, *signature_digest(signature(opt)), *digest]])
         everyone = opt._comm.allgather(mine, "agree").tolist()
         self.loaded = False
+        differed = None
         if any(row[1] for row in everyone):  # every rank decides from the same rows
             self.settings_due = False
             if any(row[2:6] != everyone[0][2:6] for row in everyone):
-                check_same_model(opt._comm, signature(opt))  # raises on every rank
-        if all(row[6:] == everyone[0][6:] for row in everyone):
-            return
-        root = next((r for r, row in enumerate(everyone) if row[0]), 0)
-        self.broadcast(opt, hvd_comm.members(opt.process_set)[root])
+                differed = settings_agreed(opt)  # or raises on every rank
+        if any(row[6:] != everyone[0][6:] for row in everyone):
+            root = next((r for r, row in enumerate(everyone) if row[0]), 0)
+            self.broadcast(opt, hvd_comm.members(opt.process_set)[root])
+        if differed:  # last: under -W error it raises, on every rank alike
+            warnings.warn(differed, stacklevel=4)
 
     def broadcast(self, opt, root_rank: int) -> None:
         """`opt.broadcast_powersgd_state`: see there."""

@@ -91,6 +91,7 @@ class DriftGuard:
         self.checks = 0  # checks done so far
         self.repairs = 0  # checks that found and repaired a difference
         self.requested = False  # check after the next step too (the ranks just agreed)
+        self.extra: list[list[int]] = []  # every rank's `extra` words at the last check
         self.pending = False  # the next step() checks
 
     def due(self, step: int) -> bool:
@@ -122,12 +123,14 @@ class DriftGuard:
         entries = state.get(p, {})
         return {k: entries[k] for k in sorted(entries, key=str) if torch.is_tensor(entries[k])}
 
-    def check(self, state: dict) -> list[str]:
+    def check(self, state: dict, extra: list[int] = ()) -> list[str]:
         """One check: the names that differed from the first rank's, now repaired.
 
         Args:
             state: parameter -> its optimizer state (the wrapped optimizer's
                 `state`); the tensors in it are compared and repaired too.
+            extra: int64 words to gather in the same all-gather (a digest of the
+                optimizer's settings); every rank's are in `self.extra` after it.
 
         Raises:
             ValueError: on every rank alike, when a parameter's optimizer state
@@ -150,10 +153,11 @@ class DriftGuard:
         for size in sizes:
             values.append(_digest(host[offset : offset + size].tobytes()))
             offset += size
-        mine = torch.tensor([layouts + values], dtype=torch.int64, device=device)
+        mine = torch.tensor([layouts + values + list(extra)], dtype=torch.int64, device=device)
         # Fixed names: a per-process count would differ on a worker that joined later.
         everyone = self.comm.allgather(mine, "drift").tolist()  # the one read of the result
         count = len(self.named)
+        self.extra = [row[2 * count :] for row in everyone]
         differ = [any(row[j] != everyone[0][j] for row in everyone) for j in range(2 * count)]
         for j, (name, p) in enumerate(self.named):
             if differ[j]:

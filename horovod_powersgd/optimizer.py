@@ -34,7 +34,17 @@ from contextlib import contextmanager
 import torch
 
 from . import comm as hvd_comm
-from .agreement import SYNC_KEY, Agreement, ElasticHandler, check_same_model, signature
+from .agreement import (
+    SYNC_KEY,
+    Agreement,
+    ElasticHandler,
+    check_same_model,
+    describe_new,
+    refuse_new_parameters,
+    settings_agreed,
+    signature,
+    signature_digest,
+)
 from .compressor import PowerSGDCompressor
 from .config import PowerSGDConfig, check_groups, check_log_every, check_named_parameters
 from .guard import DriftGuard
@@ -65,7 +75,9 @@ class _DistributedOptimizer:
 
     _base = torch.optim.Optimizer
 
-    def __init__(self, params, named_parameters, config: PowerSGDConfig, comm, groups, log_every):
+    def __init__(
+        self, params, named_parameters, config: PowerSGDConfig, comm, groups, log_every, model_names
+    ):
         self._base.__init__(self, params)
         self.config = config
         self.compression, self.op, self.process_set = comm.compression, comm.op, comm.process_set
@@ -78,6 +90,8 @@ class _DistributedOptimizer:
         self._names: dict[torch.Tensor, str] = {p: name for name, p in named_parameters}
         # Horovod's name for the same mapping, which its tests and users' logging read.
         self._parameter_names = self._names
+        # Every name the user gave (the model's, beyond the optimizer's): for messages.
+        self._model_names = {**model_names, **self._names}
         # Parameters that get a gradient, in a fixed order (that of param_groups).
         self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         for p in self._params:
@@ -110,7 +124,10 @@ class _DistributedOptimizer:
         self._guard = DriftGuard(
             [(self._names[p], p) for p in self._params], config.drift_check_every, comm
         )
-        self._agreement = Agreement(self._active, comm.size, check_settings=not _elastic())
+        frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
+        self._agreement = Agreement(
+            self._active, comm.size, check_settings=not _elastic(), frozen=frozen
+        )
         # --- per step -------------------------------------------------------------------
         self._delay = {p: config.backward_passes_per_step for p in self._params}
         self._pending = False  # a backward pass was counted since the last synchronize()
@@ -275,12 +292,31 @@ class _DistributedOptimizer:
         return result
 
     def _check_drift(self) -> None:
-        """Repair parameters that differ across ranks (guard.py), warning on every rank.
+        """Repair parameters and settings that differ across ranks, warning on every rank.
 
         Runs right after the wrapped optimizer's step, so the parameters and
-        their optimizer state are identical on every rank after it.
+        their optimizer state are identical on every rank after it (guard.py),
+        and the wrapped optimizer's settings are the first rank's
+        (agreement.settings_agreed). Parameters put into param_groups by hand
+        since construction are refused, on every rank alike.
         """
-        drifted = self._guard.check(self.state)
+        # What else must agree rides in the same all-gather: parameters put into
+        # param_groups by hand (refused on every rank alike) and the settings' digest.
+        new = [p for g in self.param_groups for p in g["params"] if p not in self._names]
+        drifted = self._guard.check(self.state, [len(new), *signature_digest(signature(self))])
+        everyone = self._guard.extra
+        if any(row[0] for row in everyone):
+            members = hvd_comm.members(self.process_set)
+            ranks = [members[r] for r, row in enumerate(everyone) if row[0]]
+            refuse_new_parameters(
+                describe_new(new, self._model_names) or ["none on this rank"],
+                f"parameters put into param_groups since the optimizer was wrapped, on rank(s) "
+                f"{ranks}",
+            )
+        if any(row[1:] != everyone[0][1:] for row in everyone):  # the rare path gathers all
+            differed = settings_agreed(self)
+            if differed:  # the same text on every rank
+                warnings.warn(differed, stacklevel=3)
         if drifted:
             # Every rank knows the same list (from one all-gather): all warn alike.
             warnings.warn(
@@ -301,6 +337,22 @@ class _DistributedOptimizer:
         self._delay = dict.fromkeys(self._params, self.config.backward_passes_per_step)
 
     # --- Horovod's optimizer interface ----------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        """Refused once wrapped, naming the parameters: see agreement.refuse_new_parameters.
+
+        Raises on the rank that calls it (the same code on every rank: on every
+        rank), before any collective, and changes nothing: the optimizer trains
+        on as before.
+        """
+        if "_agreement" not in self.__dict__:  # torch's __init__ adds the groups it is built with
+            return self._base.add_param_group(self, param_group)
+        params = param_group["params"]
+        params = [params] if torch.is_tensor(params) else list(params)
+        refuse_new_parameters(
+            describe_new(params, self._model_names),
+            "add_param_group() after the optimizer was wrapped, with parameters",
+        )
+
     @contextmanager
     def skip_synchronize(self):
         """Make `step()` skip the communication `synchronize()` already did.
@@ -673,7 +725,11 @@ def DistributedOptimizer(
             every rank). The wrapped optimizer's settings (lr, momentum, ...) may
             differ when it is built, as in Horovod, until the user's
             hvd.broadcast_optimizer_state; where they still differ at the first
-            step, that step raises on every rank before its first collective.
+            step or at a drift check, every rank takes the first rank's and
+            warns, naming them. Later, `add_param_group` raises, and so does the
+            next step where a parameter frozen when it was wrapped requires grad:
+            build the optimizer with every parameter you will train, each
+            requiring grad when you wrap it (freeze some after, if you like).
 
     Example:
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1 * hvd.size(), momentum=0.9)
@@ -709,7 +765,9 @@ def DistributedOptimizer(
         raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
     if not isinstance(process_set, hvd_comm.ProcessSet):
         raise ValueError(f"process_set must be a hvd.ProcessSet, got {process_set!r}")
-    named_parameters = check_named_parameters(optimizer, named_parameters)
+    given = None if named_parameters is None else list(named_parameters)
+    named_parameters = check_named_parameters(optimizer, given)
+    model_names = {p: name for name, p in given or ()}
     comm = hvd_comm.Comm(process_set, op, compression, gradient_predivide_factor)
     # A class per wrapped type, as Horovod does, so isinstance checks keep working.
     # __module__ matches Horovod's optimizer module so that
@@ -722,7 +780,9 @@ def DistributedOptimizer(
     members["_base"] = optimizer.__class__
     members["__module__"] = hvd_comm.HOROVOD_OPTIMIZER_MODULE
     cls = type(optimizer.__class__.__name__, (optimizer.__class__, _DistributedOptimizer), members)
-    return cls(optimizer.param_groups, named_parameters, config, comm, groups, log_every)
+    return cls(
+        optimizer.param_groups, named_parameters, config, comm, groups, log_every, model_names
+    )
 
 
 def _check_horovod_args(compression, op, comm_dtype):

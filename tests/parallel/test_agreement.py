@@ -224,29 +224,99 @@ def test_optimizer_state_of_another_layout_on_one_rank_raises_at_the_check_on_ev
         train(model, opt, steps=1, first_step=1)
 
 
+def _one_ulp_up(value: float) -> torch.Tensor:
+    return torch.nextafter(torch.tensor(value), torch.tensor(1.0))
+
+
+SETTINGS = "the wrapped optimizer's settings differed across ranks"
+
+
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize(
     ("setting", "make"),
     [
         ("amsgrad", lambda params, rank: torch.optim.AdamW(params, lr=1e-3, amsgrad=rank == 1)),
         ("momentum", lambda params, rank: torch.optim.SGD(params, lr=0.05, momentum=0.9 * rank)),
+        (
+            "lr",  # a tensor one ulp apart: its repr is the same on both ranks
+            lambda params, rank: torch.optim.SGD(
+                params, lr=_one_ulp_up(0.05) if rank else torch.tensor(0.05)
+            ),
+        ),
     ],
-    ids=["amsgrad", "momentum"],
+    ids=["amsgrad", "momentum", "tensor-lr"],
 )
 @pytest.mark.parametrize("layers", [1, 3], ids=["one-parameter", "mlp"])
-def test_optimizer_settings_that_differ_across_ranks_fail_at_the_first_step(setting, make, layers):
+def test_optimizer_settings_that_differ_at_the_first_step_become_rank0s_with_a_warning(
+    setting, make, layers
+):
     # Building them so is Horovod's normal path (hvd.broadcast_optimizer_state then
-    # brings rank 0's settings); a first step with them still different fails on
-    # every rank, naming the setting, before any PowerSGD collective.
+    # brings rank 0's); Horovod's own test_broadcast_state_options steps once before
+    # that broadcast. The first step warns on every rank, naming the setting and the
+    # ranks, and every rank steps with rank 0's settings from then on.
     torch.manual_seed(0)
     model = nn.Linear(8, 8, bias=False) if layers == 1 else make_model()
     opt = hps.DistributedOptimizer(
         make(model.parameters(), hvd.rank()), named_parameters=model.named_parameters()
     )
+    rank0 = make([nn.Parameter(torch.zeros(1))], 0).param_groups[0][setting]
     x = torch.randn(4, 32)[:, : 8 if layers == 1 else 32]
-    with pytest.raises(ValueError, match=rf"optimizer setting '{setting}' of param group 0"):
-        model(x).sum().backward()
-    assert opt.compression_stats()["elements_sent"] == 0
+    for step in range(3):
+        opt.zero_grad()
+        if step == 0:
+            with pytest.warns(UserWarning, match=SETTINGS) as caught:
+                model(x * (1 + hvd.rank())).sum().backward()
+            message = str(next(w.message for w in caught if SETTINGS in str(w.message)))
+            assert f"'{setting}' of param group 0" in message and "on rank(s) [1]" in message
+            assert "Every rank now uses rank 0's" in message
+        else:
+            model(x * (1 + hvd.rank())).sum().backward()
+        opt.step()
+    mine = opt.param_groups[0][setting]
+    assert type(mine) is type(rank0) and (
+        torch.equal(mine, rank0) if torch.is_tensor(mine) else mine == rank0
+    )
+    for n, p in model.named_parameters():
+        assert_same_on_every_rank(p, n)
+        for key, value in opt.state[p].items():
+            if torch.is_tensor(value):
+                assert_same_on_every_rank(value, f"{n}.{key}")
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("kind", ["float", "tensor"])
+def test_a_setting_changed_on_one_rank_mid_run_is_named_at_the_next_drift_check(kind):
+    # A per-rank schedule: rank 1 halves its learning rate after step 3 (a float), or
+    # nudges a tensor learning rate by one ulp. The drift check at step 5 names the
+    # setting and the ranks, on every rank, and every rank goes on with rank 0's.
+    model = make_model()
+    lr = torch.tensor(0.05) if kind == "tensor" else 0.05
+    opt = hps.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
+        named_parameters=model.named_parameters(),
+        drift_check_every=5,
+    )
+    train(model, opt, steps=3)
+    if hvd.rank() == 1:
+        group = opt.param_groups[0]
+        if kind == "tensor":
+            group["lr"].copy_(_one_ulp_up(0.05))
+        else:
+            group["lr"] = group["lr"] / 2
+    messages = train_recording_warnings(model, opt, steps=2, first_step=3)  # step 5: a check
+    named = [m for m in messages if SETTINGS in m]
+    assert len(named) == 1, messages
+    assert "at step 5" in named[0] and "'lr' of param group 0" in named[0], named[0]
+    assert "on rank(s) [0]" in named[0] and "on rank(s) [1]" in named[0], named[0]
+    if kind == "float":  # two steps at another lr: the parameters were repaired too
+        assert any(DRIFTED in m for m in messages), messages
+    group_lr = opt.param_groups[0]["lr"]
+    assert_same_on_every_rank(torch.as_tensor(group_lr, dtype=torch.float64), "lr")
+    if kind == "tensor":
+        assert group_lr is lr  # taken over in place: a scheduler holding it sees it
+    assert not train_recording_warnings(model, opt, steps=5, first_step=5)  # step 10: a check
+    for n, p in model.named_parameters():
+        assert_same_on_every_rank(p, n)
 
 
 def test_a_skipped_first_step_after_a_resume_keeps_its_drift_check():

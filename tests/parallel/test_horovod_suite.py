@@ -12,9 +12,9 @@ Horovod test that builds a DistributedOptimizer -> the test here:
 - ``test_broadcast_state`` -> `test_a_rank0_load_then_the_broadcasts_give_every_rank_rank0s_state`
 - ``test_broadcast_state_options`` ->
   `test_options_built_differently_per_rank_are_rank0s_after_broadcast_optimizer_state`
-  (built, broadcast, then trained; Horovod's test also steps once *before* the broadcast,
-  with each rank's own settings, which this optimizer refuses on purpose: see
-  `test_agreement.py::test_optimizer_settings_that_differ_across_ranks_fail_at_the_first_step`)
+  (built with each rank's own options, one step, the broadcast, one more step; the first
+  step warns and takes rank 0's options: see
+  `test_agreement.py::test_optimizer_settings_that_differ_at_the_first_step_become_rank0s_with_a_warning`)
 - ``test_broadcast_state_no_grad`` -> `test_a_frozen_integer_parameter_survives_the_broadcasts`
 - ``test_force_allreduce`` -> `test_a_parameter_unused_on_one_rank_still_gets_the_average`
 - ``test_duplicate_names`` -> `test_duplicate_names_are_refused`
@@ -171,23 +171,23 @@ def test_options_built_differently_per_rank_are_rank0s_after_broadcast_optimizer
     """Horovod's ``test_broadcast_state_options``.
 
     Each rank builds the wrapped optimizer with its own learning rate, momentum,
-    betas, ...; after hvd.broadcast_optimizer_state every rank holds rank 0's
-    options (same values, same types, tuples included), and training goes on with
-    them, the parameters equal on every rank.
+    betas, ... and steps once; after hvd.broadcast_optimizer_state every rank holds
+    rank 0's options (same values, same types, tuples included), and the next step
+    works with them. Horovod's first step uses each rank's own options; ours warns
+    on every rank, naming them, and uses rank 0's already, so the parameters are
+    the same on every rank throughout.
     """
     model = TwoHeads()
     options = RANK0_OPTIONS if hvd.rank() == 0 else OTHER_OPTIONS
     opt = wrap(build(cls, model.parameters(), **options), model)
+    with pytest.warns(UserWarning, match="settings differed across ranks at step 0: .*'lr'"):
+        one_step(model, opt, 0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
-    # After it: its initialising step, with each rank's own weight decay, moved the
-    # parameters apart (Horovod's optimizer alike); this is about the options.
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     accepted = inspect.signature(cls).parameters
     for key, value in RANK0_OPTIONS.items():
         if key in accepted:
             assert_same_value(opt.param_groups[0][key], value, f"{cls.__name__}.{key}")
-    for step in range(2):
-        one_step(model, opt, step)
+    one_step(model, opt, 1)
     for name, p in model.named_parameters():
         assert torch.isfinite(p).all(), name
         assert_same_on_every_rank(p, f"options.{cls.__name__}.{name}")

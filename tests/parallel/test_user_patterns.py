@@ -219,3 +219,97 @@ def test_a_layer_frozen_mid_training_stays_where_it_is_like_horovod(rounds):
     model[0].requires_grad_(True)
     train(model, opt, steps=2, first_step=25)
     assert not torch.equal(frozen[0], model[0].weight)
+
+
+# --- parameters the optimizer did not know when it was wrapped (issue 52, item 4) -------------
+NEW_PARAMETERS = "horovod_powersgd averages only the parameters that require grad"
+
+
+def _trunk_optimizer(model, rank):
+    """SGD over the first layers only: the head is the model's, not the optimizer's (yet)."""
+    trunk = [p for n, p in model.named_parameters() if not n.startswith("4.")]
+    return hps.DistributedOptimizer(
+        torch.optim.SGD(trunk, lr=0.05, momentum=0.9),
+        named_parameters=model.named_parameters(),
+        rank=rank,
+    )
+
+
+@pytest.mark.parametrize("rank", [2, "auto"])
+@pytest.mark.parametrize("steps_before", [0, 2], ids=["before-step-1", "after-step-2"])
+def test_add_param_group_after_wrapping_is_refused_naming_the_parameters(steps_before, rank):
+    # A head added to the optimizer mid-run would train on each rank's own gradients
+    # (Horovod drops it as silently). Refused at the call, on every rank alike (the
+    # same code runs on every rank), naming the parameters; nothing changes, and the
+    # run goes on as before.
+    model = make_model()
+    opt = _trunk_optimizer(model, rank)
+    train(model, opt, steps=steps_before)
+    sent = opt.compression_stats()["elements_sent"]
+    with pytest.raises(ValueError, match=NEW_PARAMETERS) as refused:
+        opt.add_param_group({"params": model[4].parameters(), "lr": 0.01})
+    assert "add_param_group() after the optimizer was wrapped" in str(refused.value)
+    assert "'4.weight', '4.bias'" in str(refused.value)
+    assert "requires_grad_(False)" in str(refused.value)  # and what to do instead
+    assert len(opt.param_groups) == 1 and opt.compression_stats()["elements_sent"] == sent
+    head = [p.detach().clone() for p in model[4].parameters()]
+    train(model, opt, steps=2, first_step=steps_before)
+    for before, p in zip(head, model[4].parameters()):
+        assert torch.equal(before, p)  # still not the optimizer's
+    for n, p in model.named_parameters():
+        assert_same_on_every_rank(p, n)
+
+
+def test_a_parameter_frozen_when_wrapped_then_unfrozen_is_refused_at_the_next_step():
+    # Frozen when wrapped: no hook, no bucket, no drift check. Unfrozen later, it
+    # would train on each rank's own gradients; its next step raises on every rank
+    # before any collective, naming it, and leaves the optimizer ready to go on.
+    model = make_model()
+    model[0].requires_grad_(False)
+    opt = powersgd(model, drift_check_every=1)
+    train(model, opt, steps=2)
+    model[0].requires_grad_(True)
+    sent = opt.compression_stats()["elements_sent"]
+    with pytest.raises(ValueError, match=NEW_PARAMETERS) as refused:
+        train(model, opt, steps=1, first_step=2)
+    assert "did not require grad when the optimizer was wrapped now do" in str(refused.value)
+    assert "'0.weight', '0.bias'" in str(refused.value)
+    assert opt.compression_stats()["elements_sent"] == sent
+    assert opt.powersgd_step == 2
+    model[0].requires_grad_(False)  # frozen again, the run goes on
+    train(model, opt, steps=2, first_step=2)
+    for n, p in model.named_parameters():
+        assert_same_on_every_rank(p, n)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("where", ["every-rank", "rank-1"])
+def test_a_parameter_put_into_param_groups_by_hand_is_refused_at_the_drift_check(where):
+    # Not through add_param_group: seen at the next drift check, in its all-gather,
+    # so every rank raises alike even where only rank 1 did it (no rank left waiting).
+    model = make_model()
+    opt = _trunk_optimizer(model, 2)
+    if where == "every-rank" or hvd.rank() == 1:
+        opt.param_groups[0]["params"].append(model[4].weight)
+    with pytest.raises(ValueError, match=NEW_PARAMETERS) as refused:
+        train(model, opt, steps=1)  # the first step checks drift
+    ranks = [0, 1] if where == "every-rank" else [1]
+    assert f"since the optimizer was wrapped, on rank(s) {ranks}: " in str(refused.value)
+    mine = "'4.weight'" if where == "every-rank" or hvd.rank() == 1 else "none on this rank"
+    assert f"{ranks}: {mine}" in str(refused.value)
+
+
+@pytest.mark.parametrize("rounds", [2, 1])
+def test_a_backbone_wrapped_trainable_frozen_then_unfrozen_trains_averaged(rounds):
+    # What the refusals advise: every parameter requires grad when the optimizer is
+    # wrapped; frozen after, unfrozen later, it is averaged like any other.
+    model = make_model()
+    opt = powersgd(model, rounds=rounds)
+    model[0].requires_grad_(False)
+    train(model, opt, steps=3)
+    frozen = model[0].weight.detach().clone()
+    model[0].requires_grad_(True)
+    train(model, opt, steps=3, first_step=3)
+    assert not torch.equal(frozen, model[0].weight)
+    for n, p in model.named_parameters():
+        assert_same_on_every_rank(p, n)
