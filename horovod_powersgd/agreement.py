@@ -440,10 +440,10 @@ class Agreement:
         shared = opt.compressor.shared_state()
         payload = {"compressor": shared, "step": opt.powersgd_step, "stats": comm.counters()}
         payload["auto"] = opt._tuner.state_dict()
-        payload["sparse"] = sorted(opt._names[p] for p in opt._sparse)
+        payload["sparse"] = opt._sparse.sparse_names()
         payload = comm.broadcast_object(payload, root_rank, "sync")
         root = payload["compressor"]
-        opt._take_sparse(payload["sparse"])  # the root's sparse parameters leave PowerSGD first
+        opt._sparse.take(payload["sparse"])  # the root's sparse parameters leave PowerSGD first
         changed = payload["step"] != opt.powersgd_step or any(
             not torch.equal(theirs.to(mine.device), mine)
             for theirs, mine in zip(root["q_memory"].values(), shared["q_memory"].values())

@@ -50,6 +50,7 @@ from .config import PowerSGDConfig, check_groups, check_log_every, check_named_p
 from .guard import DriftGuard
 from .monitor import LayerMonitor
 from .reducer import Reducer, make_buckets
+from .sparse import SparseGradients
 from .tuner import FixedRanks, Tuner, link_setting
 
 STATE_KEY = "powersgd"  # this rank's PowerSGD state in state_dict()
@@ -131,13 +132,10 @@ class _DistributedOptimizer:
         # --- per step -------------------------------------------------------------------
         self._delay = {p: config.backward_passes_per_step for p in self._params}
         self._pending = False  # a backward pass was counted since the last synchronize()
-        self._was_sparse: set[torch.Tensor] = set()  # densified here this step
-        # Parameters whose gradients are sparse, agreed by every rank (`_settle_sparse`).
-        self._sparse: set[torch.Tensor] = set()
-        self._sparse_checks = True  # the next step agrees on them (the first step does)
-        # Without sparse_as_dense, the agreed sparse ones travel all-gathered (as in Horovod).
-        self._gathered: set[torch.Tensor] = set()
-        self._gathers: dict = {}  # this step's: parameter -> wait for its aggregate
+        # Sparse gradients: which ones, agreed by every rank; this step's (sparse.py).
+        self._sparse = SparseGradients(
+            self._params, self._names, comm, config.sparse_as_dense, self._leave_powersgd
+        )
         self._synchronized = False
         self._should_synchronize = True
         if self._active:
@@ -158,83 +156,18 @@ class _DistributedOptimizer:
             self._gradient_ready(p)
 
     def _gradient_ready(self, p: torch.Tensor) -> None:
-        if self._sparse or (p.grad is not None and p.grad.is_sparse):
-            self._sparse_ready(p)
+        if self._sparse.sparse or (p.grad is not None and p.grad.is_sparse):
+            self._sparse.ready(p)
         if not self._reducer.in_step:
             self._begin_step()
         self._reducer.ready(p)
 
-    def _sparse_ready(self, p: torch.Tensor) -> None:
-        """A gradient that is or may be sparse: all-gathered, or made dense for its bucket."""
-        if p in self._gathered:  # agreed sparse on every rank, without sparse_as_dense
-            grad = p.grad
-            if grad is None:  # unused here: no rows
-                grad = torch.sparse_coo_tensor(
-                    torch.empty(1, 0, dtype=torch.long, device=p.device),
-                    torch.empty(0, *p.shape[1:], dtype=p.dtype, device=p.device),
-                    p.shape, check_invariants=False,
-                )  # fmt: skip
-            elif not grad.is_sparse:
-                grad = grad.to_sparse(1)  # rows, as an embedding's
-            name = f"sparse.{self._names[p]}"
-            self._gathers[p] = self._comm.sparse_allreduce_async(grad, name)
-        elif p.grad is not None and p.grad.is_sparse:
-            # sparse_as_dense, or the first sparse gradient of p (agreed after this step):
-            # reduced dense in its bucket, with the other ranks' (maybe zero) gradients.
-            self._was_sparse.add(p)
-            p.grad = p.grad.to_dense()
-
-    def _settle_sparse(self) -> None:
-        """Agree which gradients are sparse, and hand those back sparse on every rank.
-
-        A parameter whose gradient arrived sparse on any rank, at this step or
-        before, is sparse on every rank from then on: its aggregate goes back
-        sparse (`to_sparse()`, as Horovod does, so torch.optim.SparseAdam works)
-        also on a rank that did not use it this step, so every rank hands the
-        wrapped optimizer the same gradient. One small all-reduce of a flag per
-        parameter, after the step's other collectives: at the first step, then
-        at every step while any parameter is sparse or `sparse_as_dense` is set
-        (a dense model pays it once).
-        """
-        for p, aggregate in self._gathers.items():
-            p.grad = aggregate()
-        self._gathers.clear()
-        seen = [int(p in self._was_sparse) for p in self._params]
-        seen = self._comm.allreduce_sum(torch.tensor(seen, dtype=torch.int32), "sparse")
-        self._sparse.update(p for p, count in zip(self._params, seen.tolist()) if count)
-        self._sparse_checks = self.config.sparse_as_dense or bool(self._sparse)
-        self._was_sparse.clear()
-        for p in self._sparse:
-            if p.grad is not None and not p.grad.is_sparse:
-                # As Horovod's sparse_as_dense; else as the all-gathered ones will be (rows).
-                p.grad = p.grad.to_sparse() if self.config.sparse_as_dense else p.grad.to_sparse(1)
-        if not self.config.sparse_as_dense:
-            self._gather(self._sparse)
-
-    def _gather(self, params) -> None:
-        """From the next step on, all-gather `params`' gradients (called alike on every rank).
-
-        They leave PowerSGD: their error buffers and memories are dropped, the
-        other matrices of their buckets keep theirs.
-        """
-        new = [p for p in params if p not in self._gathered]
-        if not new:
-            return
-        self._sparse.update(new)
-        self._gathered.update(new)
-        self.compressor.exclude(self._names[p] for p in new)
-        self._reducer.skip = self._gathered
+    def _leave_powersgd(self, params) -> None:
+        """`params` are all-gathered from the next step on (sparse.SparseGradients.gather)."""
+        self.compressor.exclude(self._names[p] for p in params)
+        self._reducer.skip = self._sparse.gathered
         self._reducer.refresh()
         self._rebuild_monitor()
-
-    def _take_sparse(self, names) -> None:
-        """The sparse parameters of a saved or another rank's state, by name."""
-        names = set(names)
-        params = [p for p in self._params if self._names[p] in names]
-        self._sparse.update(params)
-        self._sparse_checks = self._sparse_checks or bool(params)
-        if not self.config.sparse_as_dense:
-            self._gather(params)
 
     def _begin_step(self) -> None:
         self._agreement.begin_step(self)  # before the step's first collective
@@ -266,8 +199,8 @@ class _DistributedOptimizer:
             compressed = self._reducer.compressing  # this step's (reset() keeps it)
             self._monitor.end_step(self.powersgd_step, compressed, self.compression_stats)
         self._tuner.end_step(self)  # rank="auto": measure, try, settle (it may change ranks)
-        if self._sparse_checks:  # after the first step, a dense model's step skips it
-            self._settle_sparse()
+        if self._sparse.checks:  # after the first step, a dense model's step skips it
+            self._sparse.settle()
 
     def _ready_without_hook(self, p: torch.Tensor) -> None:
         """A parameter whose hook did not fire this step (unused, or a gradient set by hand)."""
@@ -486,7 +419,7 @@ class _DistributedOptimizer:
             "world_size": self._comm.size,
             "stats": self._totals(),
             "compressor": self.compressor.state_dict(),
-            "sparse": sorted(self._names[p] for p in self._sparse),
+            "sparse": self._sparse.sparse_names(),
         }
         if self.config.auto:
             state[STATE_KEY]["auto"] = self._tuner.state_dict()
@@ -509,12 +442,11 @@ class _DistributedOptimizer:
         # error buffers are in the rank files.
         shared_only = ours is not None and "error_buffers" not in ours["compressor"]
         if ours is not None:
-            self._take_sparse(ours.get("sparse", []))  # those leave PowerSGD: before the check
+            self._sparse.take(ours.get("sparse", []))  # those leave PowerSGD: before the check
             check = self.compressor.check_shared_state if shared_only else None
             (check or self.compressor.check_state_dict)(ours["compressor"])
         self._reset_step()
-        self._was_sparse.clear()  # a step cut short: its gradients are not handed back
-        self._gathers.clear()
+        self._sparse.forget_step()
         self._synchronized = False
         self._should_synchronize = True
         self._base.load_state_dict(self, state_dict)
@@ -679,7 +611,7 @@ def DistributedOptimizer(
             aggregate back sparse (`to_sparse()`) before the wrapped optimizer
             steps, so torch.optim.SparseAdam works. Without it they are
             all-gathered (indices and values) outside PowerSGD, as Horovod does.
-            Which gradients are sparse is agreed by every rank (`_settle_sparse`).
+            Which gradients are sparse is agreed by every rank (sparse.py).
         process_set: the Horovod process set to reduce over. A rank outside it
             trains on its own gradients, as with Horovod.
         rank: matrix approximation rank r (>= 1), capped at min(n, m) per tensor;

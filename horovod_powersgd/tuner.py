@@ -255,7 +255,7 @@ class Tuner:
     def _probe_work(self, opt) -> None:
         """PowerSGD's local work, per bucket, at every rank of the ladder, on this step's
         gradients (aggregated: the same shapes and scales), sending nothing."""
-        params = [p for p in opt._params if p.grad is not None and p not in opt._gathered]
+        params = [p for p in opt._params if p.grad is not None and p not in opt._sparse.gathered]
         named = [(opt._names[p], p) for p in params]
         bucket_of = {opt._names[p]: b.index for b in opt._reducer.buckets for p in b.params}
         grads = {opt._names[p]: p.grad for p in params}

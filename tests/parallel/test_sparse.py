@@ -141,8 +141,8 @@ def test_a_dense_model_agrees_on_sparsity_once():
         opt.zero_grad()
         model(torch.ones(2, 8)).sum().backward()
         opt.step()
-        assert not opt._sparse_checks  # from the first step on: no more checks
-    assert not opt._sparse
+        assert not opt._sparse.checks  # from the first step on: no more checks
+    assert not opt._sparse.sparse
 
 
 # --- item 7: without sparse_as_dense, sparse gradients are all-gathered ---------------------
