@@ -418,6 +418,9 @@ class Agreement:
             )
         self.pending = False
         opt._guard.request()  # every rank is here: a collective
+        # Every rank agrees on sparse gradients after this step too: a worker that
+        # just joined (elastic) or loaded a state checks at its first step, so all do.
+        opt._sparse.checks = True
         digest = state_digest(opt.powersgd_step, opt.compressor.shared_state())
         flags = [int(self.loaded), int(self.settings_due)]
         mine = torch.tensor([[*flags, *signature_digest(signature(opt)), *digest]])
