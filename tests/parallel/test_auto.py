@@ -177,10 +177,12 @@ def test_at_full_rank_auto_delivers_the_plain_average():
     # first such steps have delivered what lower ranks held back, every step
     # delivers exactly the ranks' average gradient, as plain Horovod does.
     # The first step at 8 (step 11) can leave a little of the held-back residual
-    # for the next: measured 2026-12-04, seeds 0-3 under MPI and Gloo, up to
-    # 2.1e-5 of gradients of 0.09 at step 12 (QR orthogonalisation; 1.3e-6 with
-    # the Gram-Schmidt before), rounding (4e-8) from step 13 on. Cause not found
-    # (every column of P̂ is alive then): checked from step 13.
+    # for the next: a column of P whose residual is under 1000 eps of its norm
+    # counts as dependent and is dropped (Gram-Schmidt did the same), and M there
+    # holds what rank 1 held back, with singular values that small. Measured
+    # 2026-12-04, seeds 0-3: up to 2.1e-5 of gradients of 0.09 at step 12 (one
+    # process, seed 0: 4.2e-6 with this code and with the code before it), then
+    # rounding (4e-8) from step 13 on: checked from step 13.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 4, bias=False))
     opt = auto(model, momentum=0.0, max_rank=8, min_compression_rate=0, auto_link="1mbit")
