@@ -133,8 +133,11 @@ class _DistributedOptimizer:
         self._delay = {p: config.backward_passes_per_step for p in self._params}
         self._pending = False  # a backward pass was counted since the last synchronize()
         # Sparse gradients: which ones, agreed by every rank; this step's (sparse.py).
+        # Its callback holds the optimizer weakly, as the hooks do: a cycle would keep
+        # a replaced optimizer alive, and its hooks counting passes (see below).
+        leave = weakref.WeakMethod(self._leave_powersgd)
         self._sparse = SparseGradients(
-            self._params, self._names, comm, config.sparse_as_dense, self._leave_powersgd
+            self._params, self._names, comm, config.sparse_as_dense, lambda ps: leave()(ps)
         )
         self._synchronized = False
         self._should_synchronize = True

@@ -4,6 +4,7 @@ AMP loss scaling, gradients edited before step(), accumulation, synchronize().
 Every rank runs every test (see conftest.py).
 """
 
+import gc
 import warnings
 
 import horovod.torch as hvd
@@ -313,3 +314,26 @@ def test_a_backbone_wrapped_trainable_frozen_then_unfrozen_trains_averaged(round
     assert not torch.equal(frozen, model[0].weight)
     for n, p in model.named_parameters():
         assert_same_on_every_rank(p, n)
+
+
+def test_a_new_optimizer_on_the_same_model_replaces_the_old_one_without_gc():
+    # Scripts that try settings one after another build a new optimizer on the
+    # same model and drop the old one. Its hooks hold it weakly; nothing else may
+    # hold it in a cycle, or its hooks go on counting backward passes (and raise).
+    gc_was = gc.isenabled()
+    gc.disable()  # the old one must go by reference counting alone
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        for rounds in (2, 1, 2):
+            sgd = torch.optim.SGD(model.parameters(), lr=0.01)
+            opt = hps.DistributedOptimizer(
+                sgd, named_parameters=model.named_parameters(), rank=2, rounds=rounds
+            )
+            for _ in range(2):
+                opt.zero_grad()
+                model(torch.randn(8, 16)).pow(2).mean().backward()
+                opt.step()
+    finally:
+        if gc_was:
+            gc.enable()
