@@ -423,15 +423,24 @@ class Agreement:
         opt._sparse.checks = True
         digest = state_digest(opt.powersgd_step, opt.compressor.shared_state())
         flags = [int(self.loaded), int(self.settings_due)]
-        mine = torch.tensor([[*flags, *signature_digest(signature(opt)), *digest]])
-        everyone = opt._comm.allgather(mine, "agree").tolist()
+        mine = [*flags, *signature_digest(signature(opt)), opt.powersgd_step, *digest]
+        everyone = opt._comm.allgather(torch.tensor([mine]), "agree").tolist()
         self.loaded = False
         differed = None
         if any(row[1] for row in everyone):  # every rank decides from the same rows
             self.settings_due = False
             if any(row[2:6] != everyone[0][2:6] for row in everyone):
                 differed = settings_agreed(opt)  # or raises on every rank
-        if any(row[6:] != everyone[0][6:] for row in everyone):
+        # The step everywhere; the shared state within each share (hierarchical:
+        # a local rank's matrices; flat: one share, everything).
+        shares = opt._hierarchy.share_of if opt._hierarchy else [0] * len(everyone)
+        first = {}
+        for r, share in enumerate(shares):
+            first.setdefault(share, everyone[r])
+        if any(
+            row[6] != everyone[0][6] or row[7:] != first[shares[r]][7:]
+            for r, row in enumerate(everyone)
+        ):
             root = next((r for r, row in enumerate(everyone) if row[0]), 0)
             self.broadcast(opt, hvd_comm.members(opt.process_set)[root])
         if differed:  # last: under -W error it raises, on every rank alike
@@ -444,8 +453,13 @@ class Agreement:
         payload = {"compressor": shared, "step": opt.powersgd_step, "stats": comm.counters()}
         payload["auto"] = opt._tuner.state_dict()
         payload["sparse"] = opt._sparse.sparse_names()
+        if opt._hierarchy:  # each share's state from its holder on the root's node
+            payload["compressor"] = None
+            shared_root = opt._hierarchy.root_for(root_rank)
+            root = opt._hierarchy.cross.broadcast_object(shared, shared_root, "sync.share")
         payload = comm.broadcast_object(payload, root_rank, "sync")
-        root = payload["compressor"]
+        if not opt._hierarchy:
+            root = payload["compressor"]
         opt._sparse.take(payload["sparse"])  # the root's sparse parameters leave PowerSGD first
         changed = payload["step"] != opt.powersgd_step or any(
             not torch.equal(theirs.to(mine.device), mine)

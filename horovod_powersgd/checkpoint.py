@@ -159,7 +159,7 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer, map_location=N
         map_location = next(model.parameters()).device
     main = ours = note = problem = None
     try:
-        main, ours, note = _read(path, rank, size, map_location)
+        main, ours, note = _read(path, rank, size, map_location, optimizer._state_fits)
         optimizer.compressor.check_state_dict(ours["compressor"])
         _check_model(model, main["model"], path)
     except FileNotFoundError as e:
@@ -185,8 +185,12 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer, map_location=N
     return main["extra"]
 
 
-def _read(path: str, rank: int, size: int, map_location):
-    """(main file, PowerSGD state for this rank, warning or None); raises what stops a load."""
+def _read(path: str, rank: int, size: int, map_location, fits):
+    """(main file, PowerSGD state for this rank, warning or None); raises what stops a load.
+
+    `fits(state)`: whether another rank's PowerSGD state holds this rank's
+    matrices (hierarchical PowerSGD: only the ranks of the same share do).
+    """
     main = _load(path, map_location)
     if not (isinstance(main, dict) and isinstance(main.get("checkpoint"), dict)):
         raise ValueError(f"{path} has no checkpoint id: not written by this save_checkpoint")
@@ -204,6 +208,8 @@ def _read(path: str, rank: int, size: int, map_location):
     for name in names:
         if name not in reasons:
             shared, reasons[name] = _read_rank_file(name, checkpoint, map_location)
+            if shared is not None and not fits(shared[_STATE_KEY]):
+                shared, reasons[name] = None, f"{name} holds another share's matrices"
             if shared is not None:
                 break
     else:

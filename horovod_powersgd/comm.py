@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import pickle
 import time
 
@@ -69,6 +70,41 @@ def rank() -> int:
     return hvd.rank()
 
 
+def node_layout() -> list[int]:
+    """This rank's [local_rank, local_size, cross_rank, cross_size] and whether
+    process sets may be added now (1/0), as Horovod sees them."""
+    try:  # Horovod reads it as a number: positive is on
+        dynamic = int(os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "0")) > 0
+    except ValueError:
+        dynamic = False
+    return [hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size(), int(dynamic)]
+
+
+def process_sets(rank_lists: list[list[int]]) -> list:
+    """A Horovod process set for each list of global ranks; every rank must call it alike.
+
+    One that exists already (the user's, or an earlier optimizer's) is reused:
+    Horovod refuses a second set of the same ranks. New ones are added
+    (HOROVOD_DYNAMIC_PROCESS_SETS=1), in the order given, on every rank.
+    """
+    from horovod.common.process_sets import _temp_process_set_object
+    from horovod.torch.mpi_ops import _basics
+
+    existing = {
+        tuple(sorted(ranks)): set_id
+        for set_id, ranks in _basics._get_process_set_ids_and_ranks().items()
+    }
+    out = []
+    for ranks in rank_lists:
+        key = tuple(sorted(ranks))
+        if key in existing:
+            out.append(_temp_process_set_object(existing[key]))
+        else:
+            out.append(hvd.add_process_set(list(key)))
+            existing[key] = out[-1].process_set_id
+    return out
+
+
 def first_rank(process_set) -> int:
     """The global rank of `process_set`'s first member (Horovod's root ranks are global)."""
     return 0 if process_set.ranks is None else process_set.ranks[0]
@@ -108,6 +144,7 @@ class Comm:
         self, process_set, op=hvd.Average, compression=hvd.Compression.none, predivide=1.0
     ):
         self.process_set, self.op, self.compression = process_set, op, compression
+        self.predivide = predivide
         set_id = process_set.process_set_id
         self.name = f"powersgd.{set_id}.{next(_instances[set_id])}"
         self.scale = {}
@@ -115,6 +152,7 @@ class Comm:
             self.scale = {"prescale_factor": 1.0 / predivide, "postscale_factor": predivide}
         self.elements_sent = 0  # handed to all-reduces of gradients, P and Q so far
         self.bytes_sent = 0
+        self.tally = self  # whose counters this one's collectives add to
 
     @property
     def size(self) -> int:
@@ -137,12 +175,30 @@ class Comm:
     # --- every step -----------------------------------------------------------------
     def allreduce_async(self, tensors: list[torch.Tensor], name: str):
         """One grouped all-reduce of `tensors` in place (op, scaling as set), counted."""
-        self.elements_sent += sum(t.numel() for t in tensors)
-        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+        self._count(tensors)
         return hvd.grouped_allreduce_async_(
             tensors, name=f"{self.name}.{name}", op=self.op, process_set=self.process_set,
             **self.scale,
         )  # fmt: skip
+
+    def _count(self, tensors: list[torch.Tensor]) -> None:
+        self.tally.elements_sent += sum(t.numel() for t in tensors)
+        self.tally.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+
+    def reducescatter_async(self, tensors: list[torch.Tensor], name: str):
+        """One grouped reduce-scatter (op, no scaling): set rank i gets row i of each
+        (set size, L) tensor; counted. `wait` gives the (1, L) results."""
+        self._count(tensors)
+        return hvd.grouped_reducescatter_async(
+            tensors, name=f"{self.name}.{name}", op=self.op, process_set=self.process_set
+        )
+
+    def allgather_async(self, tensors: list[torch.Tensor], name: str):
+        """One grouped all-gather of (1, L) tensors: `wait` gives the (set size, L) ones."""
+        self._count(tensors)
+        return hvd.grouped_allgather_async(
+            tensors, name=f"{self.name}.{name}", process_set=self.process_set
+        )
 
     def sparse_allreduce_async(self, grad: torch.Tensor, name: str):
         """Start summing sparse `grad` over the ranks by all-gathering its indices and values.

@@ -85,6 +85,11 @@ class PowerSGDConfig:
     # "1gbit,2ms" (bandwidth per link, then the all-reduce latency): to test,
     # or to train with a slow link's decisions on a fast one. None: measured.
     auto_link: str | None = None
+    # --- nodes (hierarchy.py) -------------------------------------------------------
+    # Exact inside a node, compressed between nodes, each node's compression
+    # shared by its workers: True, False, or "auto" (on for several nodes of
+    # several workers each, where Horovod's process sets allow it).
+    hierarchical: bool | str = False
     # --- statistics (monitor.py) --------------------------------------------------
     # Per-layer quality and the early warning; off saves a norm per gradient and
     # error buffer per step and a small all-reduce every 10 steps.
@@ -115,6 +120,10 @@ class PowerSGDConfig:
             )
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not (isinstance(self.hierarchical, bool) or self.hierarchical == "auto"):
+            raise ValueError(
+                f'hierarchical must be True, False or "auto", got {self.hierarchical!r}'
+            )
         if self.comm_dtype is not None and self.comm_dtype not in COMM_DTYPES:
             raise ValueError(
                 f"comm_dtype={self.comm_dtype!r} cannot be sent: Horovod all-reduces only "

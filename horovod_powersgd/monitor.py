@@ -44,7 +44,6 @@ import logging
 import math
 import os
 import sys
-import types
 import warnings
 from collections.abc import Callable, Iterable
 
@@ -201,6 +200,8 @@ class LayerMonitor:
         workers: number of ranks that sum.
         reporter: whether this rank writes the log line (rank 0 of the process set).
         log_every: log one line every this many steps (0: never).
+        all_names: the layers the ranks' statistics cover together, in one order on
+            every rank (hierarchical PowerSGD: every share's); default the compressor's.
     """
 
     def __init__(
@@ -211,6 +212,7 @@ class LayerMonitor:
         workers: int,
         reporter: bool,
         log_every: int = 0,
+        all_names: list[str] | None = None,
     ):
         self.compressor = compressor
         self.start_iter = compressor.config.start_iter
@@ -218,11 +220,14 @@ class LayerMonitor:
         self.workers = workers
         self.reporter = reporter
         self.log_every = log_every
-        self.names = compressor.compressed_names
+        self.own = compressor.compressed_names  # the layers this rank compresses
+        # The layers of the agreed statistics: a rank without a value of one (another
+        # share's) sends none, and the mean is over the ranks that have one.
+        self.names = self.own if all_names is None else list(all_names)
         feedback = compressor.config.error_feedback
         self._error_and_matrix = _with_feedback if feedback else _without_feedback
         self._index = {name: j for j, name in enumerate(self.names)}
-        self._info = [compressor.layer_info(name) for name in self.names]
+        self._info = {name: compressor.layer_info(name) for name in self.own}
         count = len(self.names)
         device = self._device()
         # --- this step, per layer: norms of the local gradient, the residual, the factor
@@ -255,9 +260,9 @@ class LayerMonitor:
         self._history = []
 
     def _device(self) -> torch.device:
-        if not self.names:
+        if not self.own:
             return torch.device("cpu")
-        return self.compressor.step_views(self.names[0])[0].device
+        return self.compressor.step_views(self.own[0])[0].device
 
     # --- every step ------------------------------------------------------------------
     def _indices(self, names) -> torch.Tensor:
@@ -266,15 +271,15 @@ class LayerMonitor:
             self._order[key] = torch.tensor([self._index[n] for n in names], device=self._device())
         return self._order[key]
 
-    def bucket_ready(self, bucket, names: list[str], params: list[torch.Tensor]) -> None:
+    def bucket_ready(self, bucket, names: list[str], grads: list[torch.Tensor]) -> None:
         """Note the local gradients of a bucket's compressed layers (rounds=1: its residuals).
 
-        `names`, `params`: the bucket's compressed layers (not none), whose `.grad` are read.
+        `names`, `grads`: the bucket's compressed layers (not none) and their gradients.
 
         Call once the bucket's gradients are all compressed and before its
         factors are sent (rounds=1 sums them in place).
         """
-        self._norms[0].index_copy_(0, self._indices(names), _norms([p.grad for p in params]))
+        self._norms[0].index_copy_(0, self._indices(names), _norms(grads))
         if self.compressor.config.rounds == 1:
             self._note_residuals(bucket)
 
@@ -282,7 +287,7 @@ class LayerMonitor:
         """One layer's `bucket_ready` (rounds=1: residuals of its whole bucket)."""
         grad = torch.zeros((), device=self._norms.device) if grad is None else grad
         bucket = self.compressor.bucket_of(name)
-        self.bucket_ready(bucket, [name], [types.SimpleNamespace(grad=grad)])
+        self.bucket_ready(bucket, [name], [grad])
 
     def _note_residuals(self, bucket=None) -> None:
         """‖e‖ and ‖F‖ of every matrix of `bucket` (None: all), in two fused operations."""
@@ -300,8 +305,8 @@ class LayerMonitor:
             totals: the optimizer's `compression_stats` (for the log line).
         """
         if compressed and self.names:
-            if self.compressor.config.rounds == 2:
-                self._note_residuals()
+            if self.compressor.config.rounds == 2 and self.own:  # hierarchical: a share may
+                self._note_residuals()  # compress nothing
             self._fold()
             if step % CHECK_EVERY == 0:
                 self._check(step)
@@ -408,13 +413,14 @@ class LayerMonitor:
         """Per compressed layer: structure, this rank's averages, the ranks' mean at the check."""
         local = self._averages().tolist()  # the one host read
         out = []
-        for j, name in enumerate(self.names):
+        for name in self.own:
+            j = self._index[name]
             relative, error, grad = (local[i][j] for i in range(3))
             agreed = self._agreed[j] if self._agreed else (math.nan, math.nan, math.nan)
             out.append(
                 {
                     "name": name,
-                    **self._info[j],
+                    **self._info[name],
                     "relative_error": _none_if_nan(relative),
                     "error_ratio": _none_if_nan(_ratio(error, grad)),
                     "avg_relative_error": _none_if_nan(agreed[0]),

@@ -45,11 +45,11 @@ from .agreement import (
     signature,
     signature_digest,
 )
-from .compressor import PowerSGDCompressor
 from .config import PowerSGDConfig, check_groups, check_log_every, check_named_parameters
 from .guard import DriftGuard
+from .hierarchy import build
 from .monitor import LayerMonitor
-from .reducer import Reducer, make_buckets
+from .reducer import make_buckets
 from .sparse import SparseGradients
 from .tuner import FixedRanks, Tuner, link_setting
 
@@ -111,16 +111,15 @@ class _DistributedOptimizer:
         if self._active and not _elastic():
             check_same_model(comm, signature(self, optimizer_settings=False))
         buckets = make_buckets(self._params)
-        self.compressor = PowerSGDCompressor(
-            [(self._names[p], p) for p in self._params],
-            config,
-            bucket_of={self._names[p]: b.index for b in buckets for p in b.params},
-        )
+        # Flat, or hierarchical (hierarchy.py: this rank compresses its node's share).
+        self._hierarchy, self.compressor, self._reducer = build(
+            self._params, self._names, buckets, config, comm, active=self._active,
+            elastic=_elastic(),
+        )  # fmt: skip
         self.powersgd_step = 0  # communication steps done so far: the one step counter
         self._tuner = Tuner(config, comm) if config.auto else FixedRanks(config)
         self._log_every = log_every
         self._monitor = None  # per-layer statistics, log line and early warning
-        self._reducer = Reducer(buckets, self._names, self.compressor, comm)
         self._rebuild_monitor()
         self._guard = DriftGuard(
             [(self._names[p], p) for p in self._params], config.drift_check_every, comm
@@ -380,7 +379,10 @@ class _DistributedOptimizer:
     def _totals(self) -> dict:
         steps = self.powersgd_step
         uncompressed = steps * sum(p.numel() for p in self._params)
-        return {"steps": steps, "elements_uncompressed": uncompressed, **self._comm.counters()}
+        totals = {"steps": steps, "elements_uncompressed": uncompressed, **self._comm.counters()}
+        if self._hierarchy:  # sent above: over the node link; this, inside the node
+            totals["bytes_in_node"] = self._hierarchy.node.bytes_sent
+        return totals
 
     def _reset_monitor(self) -> None:
         if self._monitor is not None:
@@ -392,9 +394,11 @@ class _DistributedOptimizer:
         if not (self.config.layer_stats and self._active):
             return
         warned = self._monitor is not None and self._monitor.warned
+        # Hierarchical: the statistics cover every share's layers.
+        every_share = self._hierarchy and self._hierarchy.compressed(self._reducer, self.config)
         self._monitor = LayerMonitor(
             self.compressor, self._comm.allreduce_sum, workers=self._comm.size,
-            reporter=self._comm.set_rank == 0, log_every=self._log_every,
+            reporter=self._comm.set_rank == 0, log_every=self._log_every, all_names=every_share,
         )  # fmt: skip
         self._monitor.warned = warned  # one warning per run
         # Its averages need CHECK_EVERY compressed steps of this layout first.
@@ -423,6 +427,7 @@ class _DistributedOptimizer:
             "stats": self._totals(),
             "compressor": self.compressor.state_dict(),
             "sparse": self._sparse.sparse_names(),
+            "share": self._hierarchy.key if self._hierarchy else None,
         }
         if self.config.auto:
             state[STATE_KEY]["auto"] = self._tuner.state_dict()
@@ -441,6 +446,9 @@ class _DistributedOptimizer:
         """
         state_dict = dict(state_dict)
         ours = state_dict.pop(STATE_KEY, None)
+        other_share = ours is not None and not self._state_fits(ours)
+        if other_share:  # hierarchical: another share's matrices, or a flat state
+            ours = None
         # The main file of `save_checkpoint` holds the shared state only: the
         # error buffers are in the rank files.
         shared_only = ours is not None and "error_buffers" not in ours["compressor"]
@@ -459,8 +467,9 @@ class _DistributedOptimizer:
         self._reset_monitor()  # the statistics of the steps before describe another state
         if ours is None:
             warnings.warn(
-                "loading an optimizer state without PowerSGD state: error buffers and Q "
-                "memory start fresh",
+                "loading an optimizer state without PowerSGD state"
+                + (" of this rank's share (hierarchical)" if other_share else "")
+                + ": error buffers and Q memory start fresh",
                 stacklevel=2,
             )
             return
@@ -488,6 +497,10 @@ class _DistributedOptimizer:
                 stacklevel=2,
             )
             self.compressor.reset_error()
+
+    def _state_fits(self, ours: dict) -> bool:
+        """Whether a PowerSGD state (`state_dict()["powersgd"]`) holds this rank's matrices."""
+        return ours.get("share") == (self._hierarchy.key if self._hierarchy else None)
 
     def broadcast_powersgd_state(self, root_rank: int | None = None) -> None:
         """Make the state that must agree across ranks equal to `root_rank`'s.
@@ -564,6 +577,7 @@ def DistributedOptimizer(
     log_every: int = 0,
     max_rank: int = 16,
     auto_link: str | None = None,
+    hierarchical: bool | str = False,
 ):
     """Wrap a torch optimizer so that its gradients are averaged with PowerSGD.
 
@@ -650,6 +664,16 @@ def DistributedOptimizer(
             e.g. "50mbit" or "1gbit,2ms" (an all-reduce's bandwidth, then its
             latency); also HOROVOD_POWERSGD_LINK. For tests, or to train with a
             slow link's decisions on a fast one.
+        hierarchical: on nodes of several workers: sum each bucket exactly inside
+            the node (reduce-scatter), let each worker compress its share of the
+            node's average (error feedback on it, 1/workers-per-node of the
+            work) and all-reduce P and Q with its peers on the other nodes, then
+            all-gather the shares in the node (hierarchy.py, docs/hierarchical.md).
+            True, False, or "auto" (on for several nodes of several workers
+            each). Needs HOROVOD_DYNAMIC_PROCESS_SETS=1 (or
+            hvd.init(process_sets="dynamic")); not with rank="auto", elastic
+            Horovod or a process set; True on one node or one worker per node
+            warns and runs flat; uneven workers per node raise.
 
     Returns:
         An optimizer of a class derived from `type(optimizer)`.
@@ -695,6 +719,7 @@ def DistributedOptimizer(
         drift_check_every=drift_check_every, backward_passes_per_step=backward_passes_per_step,
         gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
         layer_stats=layer_stats, max_rank=max_rank, auto_link=auto_link,
+        hierarchical=hierarchical,
     )  # fmt: skip
     if gradient_predivide_factor != 1.0 and op != hvd_comm.Average:
         raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")

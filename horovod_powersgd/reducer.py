@@ -163,7 +163,9 @@ class Reducer:
                 # Unused on this rank; another rank may have a gradient, so send zeros.
                 p.grad = torch.zeros_like(p)
         if self.monitor is not None and self.compressing and bucket.compressed:
-            self.monitor.bucket_ready(bucket.index, bucket.names, bucket.compressed)
+            self.monitor.bucket_ready(
+                bucket.index, bucket.names, [p.grad for p in bucket.compressed]
+            )
         # Warm-up steps, and buckets that rank="auto" sends plain, are plain Horovod
         # (the user's compression); compressed steps send everything else in
         # comm_dtype (where one is set), the uncompressed gradients included.

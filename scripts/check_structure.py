@@ -19,7 +19,8 @@ MAX_CLASS, MAX_FUNCTION = 350, 80
 # The modules from the bottom up: each may import only those before it.
 LAYERS = [
     "config", "linalg", "collectives", "planner", "layout", "compressor", "guard", "monitor",
-    "comm", "reducer", "tuner", "agreement", "sparse", "optimizer", "checkpoint", "__init__",
+    "comm", "reducer", "hierarchy", "tuner", "agreement", "sparse", "optimizer", "checkpoint",
+    "__init__",
 ]  # fmt: skip
 
 

@@ -53,8 +53,10 @@ fi
 
 printf -v program '%q ' "$@"
 # btl tcp between the nodes (eth0 only), vader (shared memory) inside one.
-launch="mpirun --allow-run-as-root --oversubscribe -np $((2 * per_node)) \
-  -H $SUBNET.1:$per_node,$SUBNET.2:$per_node --bind-to none --map-by slot \
+# --per-node N: N workers on each node; A,B: A on node 1, B on node 2 (uneven).
+first=${per_node%,*} second=${per_node#*,}
+launch="mpirun --allow-run-as-root --oversubscribe -np $((first + second)) \
+  -H $SUBNET.1:$first,$SUBNET.2:$second --bind-to none --map-by slot \
   --mca plm_rsh_agent '$ROOT/scripts/two_nodes.sh --agent' \
   --mca btl self,tcp,vader --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 \
   --mca mpi_yield_when_idle 1 -x PATH -x OMP_NUM_THREADS -x PYTHONUNBUFFERED \

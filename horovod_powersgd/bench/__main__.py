@@ -23,6 +23,8 @@ Configurations (``--configs``, comma separated; ``NAME:R`` picks a PowerSGD rank
   powersgd-nostats
                  powersgd with layer_stats=False (rank --compare-rank): beside powersgd,
                  the cost of the per-layer statistics and the early warning
+  powersgd-hier  hierarchical=True at every rank of --ranks: exact in the node, compressed
+                 between nodes (a job of several nodes, e.g. under scripts/two_nodes.sh)
   powersgd-auto, powersgd-1round-auto
                  rank="auto", both schedules (warm-up: until its tuner settles, >= 40 steps)
   horovod-slowed (--paired only) plain Horovod that sleeps --slowdown of its own step: the
@@ -68,6 +70,7 @@ RANKED = (
     "powersgd-1round",
     "powersgd-1round-fp16",
     "powersgd-nostats",
+    "powersgd-hier",
     "ddp-powersgd",
 )
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -284,8 +285,11 @@ def main(argv=None) -> None:
     import horovod.torch as hvd
 
     torch.set_num_threads(args.threads)
+    plan = json.loads(args.plan)
+    if any(config == "powersgd-hier" for config, _ in plan):  # its process sets come later
+        os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
     hvd.init()
-    contenders = [build(config, rank, args) for config, rank in json.loads(args.plan)]
+    contenders = [build(config, rank, args) for config, rank in plan]
     job = Job(args, contenders, hvd)
     outcome = job.run()
     peak = max(job._max([_peak_rss_mb()], "rss"))

@@ -47,6 +47,7 @@ RANKED_CONFIGS = (
     "powersgd-1round",
     "powersgd-1round-fp16",
     "powersgd-nostats",
+    "powersgd-hier",
 )
 # rank="auto" keeps the user's schedule: it is held to the fixed configurations of its own
 # schedule (plain Horovod has none: it is in both), the best of the other shown beside.

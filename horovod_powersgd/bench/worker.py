@@ -29,6 +29,8 @@ HOROVOD_CONFIGS = (
     "powersgd-1round",
     "powersgd-1round-fp16",
     "powersgd-nostats",
+    # hierarchical=True: exact in the node, compressed between nodes (hierarchy.py).
+    "powersgd-hier",
     # rank="auto": plans per bucket from this job's measurements (untimed warm-up
     # steps measure, try and settle first: AUTO_WARMUP_STEPS at least).
     "powersgd-auto",
@@ -49,6 +51,8 @@ def _peak_rss_mb() -> float:
 def _setup_horovod(args, model) -> tuple[torch.optim.Optimizer, Callable[[], dict], Callable]:
     import horovod.torch as hvd
 
+    if args.config == "powersgd-hier":  # its process sets are added after init
+        os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
     hvd.init()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     if args.config.startswith("powersgd"):
@@ -64,6 +68,7 @@ def _setup_horovod(args, model) -> tuple[torch.optim.Optimizer, Callable[[], dic
             comm_dtype=torch.float16 if args.config.endswith("fp16") else None,
             # Per-layer statistics are on by default; this config measures their cost.
             layer_stats=args.config != "powersgd-nostats",
+            hierarchical=args.config == "powersgd-hier",
         )
         counters = opt.compression_stats
     else:

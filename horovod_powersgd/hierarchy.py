@@ -1,0 +1,336 @@
+"""Hierarchical PowerSGD: exact inside a node, compressed between nodes, the work shared.
+
+On a cluster of nodes of L workers each (`hierarchical=True`), every bucket of a
+compressed step travels in four stages (docs/hierarchical.md):
+
+    stage                 process set         what                               link
+    1 reduce-scatter      the node (L)        the bucket, exact; local rank j     in the node
+                                              gets its share's node average
+    2 P (and the share's  local rank j's      M = share + e; P = M·Q̂ summed       between nodes
+      uncompressed)       peers (one a node)
+    3 Q (rounds=2)        the same            P̂ = orth(P); Q = Mᵀ·P̂ averaged      between nodes
+    4 all-gather          the node            the decompressed shares, so every   in the node
+                                              worker steps on the same gradient
+
+A share is about 1/L of each bucket's tensors, balanced by size (largest first
+to the least loaded local rank), the same on every node. Local rank j holds the
+error buffers and memories of its share only: error feedback on the node's
+average, and 1/L of flat PowerSGD's compression work. Its uncompressed tensors
+ride with its P, exactly. Warm-up steps are plain Horovod over all ranks.
+
+`decide` turns the setting into a `Hierarchy` (or None: flat), one decision for
+all ranks from one all-gather of what Horovod says of each rank's node.
+`HierarchicalReducer` is the reducer's variant for it, chosen at construction.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import comm as hvd_comm
+from .compressor import PowerSGDCompressor
+from .config import COMM_DTYPES
+from .reducer import Bucket, Reducer
+
+_ENABLE = (
+    "set HOROVOD_DYNAMIC_PROCESS_SETS=1 for every worker "
+    '(mpirun -x, or hvd.init(process_sets="dynamic"))'
+)
+
+
+class Hierarchy:
+    """Where this rank sits: its node's ranks, its peers on the other nodes, its share.
+
+    Args:
+        rows: every rank's `comm.node_layout()`, in global rank order (uniform).
+        rank: this rank's global rank.
+        comm: the optimizer's `comm.Comm` (global process set).
+    """
+
+    def __init__(self, rows: list[list[int]], rank: int, comm):
+        self.local_rank, self.local_size, self.cross_rank, self.cross_size = rows[rank][:4]
+        # Nodes by cross rank, each its ranks by local rank.
+        grid = {(r[2], r[0]): g for g, r in enumerate(rows)}
+        nodes = [[grid[(c, j)] for j in range(self.local_size)] for c in range(self.cross_size)]
+        peers = [[grid[(c, j)] for c in range(self.cross_size)] for j in range(self.local_size)]
+        sets = hvd_comm.process_sets(nodes + peers)  # every rank adds every set, in order
+        node_set, cross_set = sets[self.cross_rank], sets[len(nodes) + self.local_rank]
+        self.nodes, self.peers = nodes, peers
+        self.share_of = [r[0] for r in rows]  # each rank's share (its local rank)
+        self.node_of = [r[2] for r in rows]
+        node_op = hvd_comm.Sum if comm.op == hvd_comm.Sum else hvd_comm.Average
+        self.node = hvd_comm.Comm(node_set, node_op)
+        self.cross = hvd_comm.Comm(cross_set, comm.op, comm.compression, comm.predivide)
+        self.cross.tally = comm  # what crosses the node link is what the optimizer sent
+
+    @property
+    def key(self) -> list[int]:
+        """The share a state belongs to: [local rank, workers per node] (saved with it)."""
+        return [self.local_rank, self.local_size]
+
+    def compressed(self, reducer: Reducer, config) -> list[str]:
+        """Every share's compressed parameters, in bucket order (the same on every rank)."""
+        params = [p for b in reducer.buckets for p in b.params if p not in reducer.skip]
+        return [reducer.names[p] for p in params if config.compresses(p.shape)]
+
+    def root_for(self, root_rank: int) -> int:
+        """The peer of this rank on `root_rank`'s node: the root of this share's state."""
+        return self.peers[self.local_rank][self.node_of[root_rank]]
+
+    def owners(self, buckets: list[Bucket], names: dict) -> dict[str, int]:
+        """name -> the local rank whose share it is: per bucket, largest first to the
+        least loaded (ties: the least loaded over the buckets before, then the lowest)."""
+        total = [0] * self.local_size
+        owner = {}
+        for bucket in buckets:
+            load = [0] * self.local_size
+            for p in sorted(bucket.params, key=lambda p: -p.numel()):  # stable: ties keep order
+                j = min(range(self.local_size), key=lambda j: (load[j], total[j], j))
+                owner[names[p]] = j
+                load[j] += p.numel()
+                total[j] += p.numel()
+        return owner
+
+
+def build(params, names: dict, buckets, config, comm, *, active: bool, elastic: bool):
+    """(Hierarchy or None, compressor, reducer) of an optimizer: flat, or this rank's share."""
+    hierarchy = None
+    if active:
+        hierarchy = decide(config.hierarchical, comm, elastic=elastic, auto_rank=config.auto)
+    owner = hierarchy.owners(buckets, names) if hierarchy else None
+    mine = [p for p in params if owner is None or owner[names[p]] == hierarchy.local_rank]
+    compressor = PowerSGDCompressor(
+        [(names[p], p) for p in mine],
+        config,
+        bucket_of={names[p]: b.index for b in buckets for p in b.params},
+    )
+    if hierarchy is None:
+        return None, compressor, Reducer(buckets, names, compressor, comm)
+    reducer = HierarchicalReducer(buckets, names, compressor, comm, hierarchy, owner)
+    return hierarchy, compressor, reducer
+
+
+def decide(setting, comm, *, elastic: bool, auto_rank: bool) -> Hierarchy | None:
+    """The `hierarchical` setting, for this job: a `Hierarchy`, or None (flat).
+
+    True raises (on every rank alike) where it cannot work; "auto" is on where
+    it can and the job has several nodes of several workers each.
+    """
+    if setting is False:
+        return None
+    asked = setting is True
+    why = None
+    if auto_rank:
+        why = 'rank="auto" plans a flat step only'
+    elif elastic:
+        why = "elastic Horovod changes the nodes while training; shares are fixed at construction"
+    elif comm.process_set.process_set_id != 0:
+        why = "it needs the global process set (nodes are Horovod's local and cross ranks)"
+    if why is not None:
+        if asked:
+            raise ValueError(f"hierarchical=True: {why}; use hierarchical=False")
+        return None
+    if comm.size == 1:
+        return None
+    rows = comm.allgather(torch.tensor([hvd_comm.node_layout()]), "nodes").tolist()
+    sizes = {r[1] for r in rows}
+    uniform = len(sizes) == 1 and len({(r[2], r[0]) for r in rows}) == len(rows)
+    uniform = uniform and all(r[3] * r[1] == len(rows) for r in rows)
+    if not uniform:
+        if asked:
+            per_node = {}
+            for r in rows:
+                per_node[r[2]] = per_node.get(r[2], 0) + 1
+            raise ValueError(
+                "hierarchical=True needs the same number of workers on every node; this job "
+                f"has {sorted(per_node.values())} (use hierarchical=False)"
+            )
+        return None
+    local_size, cross_size = rows[0][1], rows[0][3]
+    if local_size == 1 or cross_size == 1:
+        if asked:
+            what = "one worker per node: nothing to share" if local_size == 1 else (
+                "one node: no link between nodes to save")  # fmt: skip
+            warnings.warn(f"hierarchical=True on {what}; PowerSGD runs flat", stacklevel=4)
+        return None
+    if not all(r[4] for r in rows):
+        message = f"hierarchical PowerSGD needs process sets of its own: {_ENABLE}"
+        if asked:
+            raise ValueError(message)
+        warnings.warn(message + "; PowerSGD runs flat", stacklevel=4)
+        return None
+    return Hierarchy(rows, comm.set_rank, comm)
+
+
+class _Pack:
+    """One dtype's tensors of a bucket, laid out as (workers per node, L): row j is
+    local rank j's share, zero-padded to the longest share."""
+
+    def __init__(self, params: list, owner: dict, names: dict, local_size: int):
+        self.params = params
+        offsets = [0] * local_size
+        self.where = []  # per param: (owner, offset, numel)
+        for p in params:
+            j = owner[names[p]]
+            self.where.append((j, offsets[j], p.numel()))
+            offsets[j] += p.numel()
+        self.length = max(1, *offsets)
+        dtype = params[0].dtype
+        self.dtype = dtype if dtype in COMM_DTYPES else torch.float32
+        self.buffer = torch.zeros(
+            local_size, self.length, dtype=self.dtype, device=params[0].device
+        )
+        self.send_views = [
+            self.buffer[j, o : o + n].view(p.shape) for p, (j, o, n) in zip(params, self.where)
+        ]
+
+    def views(self, rows: torch.Tensor, share: int | None = None) -> list:
+        """(param, view of it) in `rows` ((L,) of share `share`, or (local size, L))."""
+        out = []
+        for p, (j, o, n) in zip(self.params, self.where):
+            if share is None:
+                out.append((p, rows[j, o : o + n].view(p.shape)))
+            elif j == share:
+                out.append((p, rows[o : o + n].view(p.shape)))
+        return out
+
+
+class HierarchicalReducer(Reducer):
+    """`Reducer` for hierarchical PowerSGD: a compressed step's buckets take the four
+    stages of the module docstring; warm-up steps are the flat reducer's."""
+
+    def __init__(self, buckets, names, compressor, comm, hierarchy: Hierarchy, owner: dict):
+        self.hierarchy, self.owner = hierarchy, owner
+        super().__init__(buckets, names, compressor, comm)
+
+    def refresh(self) -> None:
+        super().refresh()
+        me, size = self.hierarchy.local_rank, self.hierarchy.local_size
+        for b in self.buckets:
+            by_dtype = {}
+            for p in b.dense:
+                by_dtype.setdefault(p.dtype, []).append(p)
+            b.packs = [_Pack(ps, self.owner, self.names, size) for ps in by_dtype.values()]
+            b.shared_plain = [p for p in b.dense if self.owner[self.names[p]] == me]
+            b.shared_plain = [p for p in b.shared_plain if p not in self._compressed]
+            b.stage = 0
+
+    def begin(self, done: int) -> None:
+        self.in_step, self.compressing = True, done >= 0
+        if self.compressing:  # P and Q are summed by one worker per node
+            self.compressor.begin_step(self.hierarchy.cross_size, done)
+
+    def ready(self, p: torch.Tensor) -> None:
+        if not self.compressing:
+            return super().ready(p)
+        bucket = self._bucket_of[p]
+        self.done.add(p)
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params) and bucket.dense:
+            self._scatter(bucket)
+        for b in self.launched:
+            self._advance(b, block=False)
+
+    def finish(self) -> None:
+        if not self.compressing:
+            return super().finish()
+        for bucket in self.sending:
+            self._advance(bucket, block=True)
+
+    def _scatter(self, bucket: Bucket) -> None:
+        """Stage 1: the bucket's gradients, reduce-scattered inside the node."""
+        for p in bucket.dense:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for pack in bucket.packs:
+            torch._foreach_copy_(pack.send_views, [p.grad for p in pack.params])
+        bucket.stage = 1
+        bucket.handles = [
+            self.hierarchy.node.reducescatter_async(
+                [pack.buffer for pack in bucket.packs], f"b{bucket.index}.rs"
+            )
+        ]
+        self.launched.append(bucket)
+
+    def _advance(self, bucket: Bucket, block: bool) -> None:
+        """Take `bucket` through its stages as far as its collectives are back."""
+        while getattr(bucket, "stage", 0) in (1, 2, 3, 4):
+            handle = bucket.handles[-1]
+            if not block and not self.comm.poll(handle):
+                return
+            result = self.comm.wait(handle)
+            if bucket.stage == 1:
+                self._compress_share(bucket, [t.view(-1) for t in result])
+            elif bucket.stage == 2 and self.two_rounds and bucket.factor_count:
+                bucket.received = result[bucket.factor_count :]
+                q_buffers = self.compressor.project(result[: bucket.factor_count], bucket.index)
+                bucket.handles.append(
+                    self.hierarchy.cross.allreduce_async(q_buffers, f"b{bucket.index}.r2")
+                )
+                self.compressor.update_error(bucket.index)
+                bucket.stage = 3
+            elif bucket.stage in (2, 3):
+                if bucket.stage == 2:  # one round: the factors lead, the uncompressed follow
+                    bucket.received, result = (
+                        result[bucket.factor_count :],
+                        result[: bucket.factor_count],
+                    )
+                self._gather(bucket, result)
+            else:
+                self._unpack(bucket, result)
+
+    def _compress_share(self, bucket: Bucket, sections: list[torch.Tensor]) -> None:
+        """Stage 2: compress this worker's share of the node's average and send P (or the
+        rounds=1 factor) with the share's uncompressed tensors to its peers."""
+        bucket.sections = sections
+        share = self.hierarchy.local_rank
+        mine = {
+            p: v for pack, rows in zip(bucket.packs, sections) for p, v in pack.views(rows, share)
+        }
+        bucket.share_views = mine
+        for p in bucket.compressed:
+            self.compressor.compress(self.names[p], mine[p])
+        if self.monitor is not None and bucket.compressed:
+            self.monitor.bucket_ready(
+                bucket.index, bucket.names, [mine[p] for p in bucket.compressed]
+            )
+        cross = self.hierarchy.cross
+        bucket.sent = [(p, *cross.to_wire(mine[p], self.comm_dtype)) for p in bucket.shared_plain]
+        factors = self.compressor.send_buffers(bucket.index)
+        bucket.factor_count = len(factors)
+        tensors = factors + [t for _, t, _ in bucket.sent]
+        if not tensors:  # nothing of this bucket is this share's
+            bucket.received = []
+            return self._gather(bucket, [])
+        bucket.handles.append(cross.allreduce_async(tensors, f"b{bucket.index}.r1"))
+        bucket.stage = 2
+
+    def _gather(self, bucket: Bucket, factors) -> None:
+        """Stage 4: the share's aggregate into its section; the sections all-gathered."""
+        for (p, _, ctx), out in zip(bucket.sent, bucket.received):
+            out = self.hierarchy.cross.from_wire(out, ctx)
+            view = bucket.share_views[p]
+            if out is not view:
+                view.copy_(out)
+        bucket.sent = []
+        if bucket.factor_count:
+            out = {self.names[p]: bucket.share_views[p] for p in bucket.compressed}
+            self.compressor.decompress(list(factors), out=out, bucket=bucket.index)
+        rows = [s.view(1, -1) for s in bucket.sections]
+        bucket.handles.append(self.hierarchy.node.allgather_async(rows, f"b{bucket.index}.ag"))
+        bucket.stage = 4
+
+    def _unpack(self, bucket: Bucket, gathered) -> None:
+        """Every worker's `p.grad` := the bucket's aggregate, from the gathered sections."""
+        for pack, rows in zip(bucket.packs, gathered):
+            pairs = pack.views(rows)
+            torch._foreach_copy_([p.grad for p, _ in pairs], [v for _, v in pairs])
+        bucket.stage = 5
+        bucket.sections = bucket.share_views = None
+
+    def reset(self) -> None:
+        super().reset()
+        for bucket in self.buckets:
+            bucket.stage = 0

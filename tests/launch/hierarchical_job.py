@@ -1,0 +1,141 @@
+"""Hierarchical PowerSGD on a cluster of nodes (scripts/two_nodes.sh runs it): the contract.
+
+argv: a directory for checkpoints, then options (`--rounds N`, `--fp16`,
+`--setting True|auto|False`). Every rank prints one JSON line (`hier_job {...}`):
+where it ran, digests of its parameters after training, the steps' largest
+difference from plain Horovod's average at full rank, a resumed run's digest
+beside the uninterrupted one's, and its statistics.
+"""
+
+import argparse
+import hashlib
+import json
+import socket
+import sys
+import warnings
+
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import horovod_powersgd as hps
+
+
+def model_of(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 24), nn.ReLU(),
+                         nn.Linear(24, 6), nn.Conv1d(1, 1, 1))  # fmt: skip
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(1000 * step + hvd.rank())
+    return torch.randn(8, 16, generator=g), torch.randint(0, 6, (8,), generator=g)
+
+
+def loss_of(model, x, y):
+    out = model[:5](x)
+    return F.cross_entropy(model[5](out.unsqueeze(1)).squeeze(1), y)
+
+
+def digest(model):
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def make(model, args, **kw):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    settings = dict(rank=args.rank, rounds=args.rounds, hierarchical=args.setting)
+    if args.fp16:
+        settings["compression"] = hvd.Compression.fp16
+    settings.update(kw)
+    return hps.DistributedOptimizer(opt, named_parameters=model.named_parameters(), **settings)
+
+
+def full_rank_gap(args):
+    """Largest |hierarchical step's gradient - Horovod's average| at full rank, 6 steps."""
+    model = model_of()
+    opt = make(model, args, rank=24, min_compression_rate=0)
+    gap = 0.0
+    for step in range(6):
+        x, y = batch(step)
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        local = [p.grad.clone() for p in model.parameters()]
+        opt.synchronize()
+        for i, (p, g) in enumerate(zip(model.parameters(), local)):
+            avg = hvd.allreduce(g, name=f"ref.{step}.{i}")
+            gap = max(gap, ((p.grad - avg).abs().max() / avg.abs().max().clamp_min(1e-12)).item())
+        with opt.skip_synchronize():
+            opt.step()
+    return gap
+
+
+def train(model, opt, steps, start=0):
+    for step in range(start, start + steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        opt.step()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("directory")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rank", type=int, default=2)
+    parser.add_argument("--fp16", action="store_true")
+    parser.add_argument("--setting", default="True")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--static", action="store_true", help="hvd.init() without dynamic sets")
+    parser.add_argument("--process-set", action="store_true", help="a process set of all ranks")
+    args = parser.parse_args()
+    args.setting = {"True": True, "False": False}.get(args.setting, args.setting)
+    if args.static:
+        hvd.init()
+    else:
+        hvd.init(process_sets="dynamic")
+    row = {"rank": hvd.rank(), "host": socket.gethostname(), "local_rank": hvd.local_rank(),
+           "local_size": hvd.local_size(), "cross_size": hvd.cross_size()}  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = model_of()
+        try:
+            kw = {}
+            if args.process_set:  # the first node's ranks: a set of their own
+                kw["process_set"] = hvd.add_process_set(list(range(hvd.local_size())))
+            opt = make(model, args, **kw)
+            if args.process_set:  # outside it: a local optimizer, nothing to show
+                row["error"] = None
+                print("hier_job " + json.dumps(row) + "\n", end="")
+                return
+        except ValueError as e:  # raised on every rank alike, before any collective
+            row["error"] = str(e)
+            print("hier_job " + json.dumps(row) + "\n", end="")
+            return
+        row["hierarchical"] = opt._hierarchy is not None
+        train(model, opt, args.steps)
+        path = f"{args.directory}/ckpt.pt"
+        hps.save_checkpoint(path, model, opt)
+        train(model, opt, args.steps, start=args.steps)
+        row["params"] = digest(model)
+        stats = opt.compression_stats(per_layer=True)
+        row["bytes_sent"], row["bytes_in_node"] = stats["bytes_sent"], stats.get("bytes_in_node")
+        row["layers"] = sorted(layer["name"] for layer in stats["layers"])
+        row["relative_error"] = {x["name"]: x["avg_relative_error"] for x in stats["layers"]}
+        # Resume from the checkpoint in a new optimizer: the same parameters, bit for bit.
+        model2 = model_of(seed=1)
+        opt2 = make(model2, args)
+        hps.load_checkpoint(path, model2, opt2)
+        train(model2, opt2, args.steps, start=args.steps)
+        row["resumed"] = digest(model2)
+        row["full_rank_gap"] = full_rank_gap(args)
+    row["warnings"] = [str(w.message)[:200] for w in caught]
+    print("hier_job " + json.dumps(row) + "\n", end="")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

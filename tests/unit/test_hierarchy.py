@@ -1,0 +1,128 @@
+"""hierarchy.py without Horovod running: the shares, the packed layout, the decision."""
+
+import types
+
+import pytest
+import torch
+
+from horovod_powersgd import comm as hvd_comm
+from horovod_powersgd import hierarchy
+from horovod_powersgd.reducer import make_buckets
+
+
+def owners_of(params, local_size):
+    names = {p: f"p{i}" for i, p in enumerate(params)}
+    fake = types.SimpleNamespace(local_size=local_size)
+    buckets = make_buckets(params)
+    return hierarchy.Hierarchy.owners(fake, buckets, names), names, buckets
+
+
+def test_shares_split_each_bucket_by_size_the_same_way_every_time():
+    params = [torch.zeros(n, 64) for n in (64, 64, 32, 32, 16, 8, 8)] + [torch.zeros(64)]
+    owner, names, _ = owners_of(params, 2)
+    again, _, _ = owners_of(params, 2)
+    assert owner == again  # a function of the shapes alone: equal on every rank
+    load = [0, 0]
+    for p in params:
+        load[owner[names[p]]] += p.numel()
+    # Largest first to the least loaded: the two shares within the smallest tensor.
+    assert abs(load[0] - load[1]) <= 8 * 64, load
+    assert set(owner.values()) == {0, 1}
+
+
+def test_more_workers_per_node_than_tensors_leaves_some_shares_empty():
+    params = [torch.zeros(32, 32), torch.zeros(32)]
+    owner, _, _ = owners_of(params, 4)
+    assert sorted(owner.values()) == [0, 1]  # one tensor each to the first two
+
+
+def test_a_pack_lays_out_each_share_in_its_row_padded_to_the_longest():
+    params = [torch.zeros(3, 2), torch.zeros(5), torch.zeros(2, 2)]
+    names = {p: str(i) for i, p in enumerate(params)}
+    owner = {"0": 0, "1": 1, "2": 0}
+    pack = hierarchy._Pack(params, owner, names, 2)
+    assert pack.buffer.shape == (2, 10)  # share 0: 6 + 4, share 1: 5 (padded)
+    grads = [torch.arange(p.numel(), dtype=torch.float32).view(p.shape) + 10 * i
+             for i, p in enumerate(params)]  # fmt: skip
+    torch._foreach_copy_(pack.send_views, grads)
+    # Row j holds share j's tensors; the padding stays zero.
+    assert torch.equal(pack.buffer[1, 5:], torch.zeros(5))
+    mine = dict(pack.views(pack.buffer[0], share=0))
+    assert set(mine) == {params[0], params[2]}
+    assert torch.equal(mine[params[2]], grads[2])
+    everything = dict(pack.views(pack.buffer))
+    assert all(torch.equal(everything[p], g) for p, g in zip(params, grads))
+
+
+def test_a_bfloat16_pack_travels_as_float32():
+    params = [torch.zeros(4, dtype=torch.bfloat16)]
+    pack = hierarchy._Pack(params, {"0": 0}, {params[0]: "0"}, 2)
+    assert pack.buffer.dtype == torch.float32
+
+
+class FakeComm:
+    def __init__(self, rows, set_id=0):
+        self.rows, self.size = rows, len(rows)
+        self.process_set = types.SimpleNamespace(process_set_id=set_id)
+        self.gathered = 0
+
+    def allgather(self, tensor, name):
+        self.gathered += 1
+        return torch.tensor(self.rows)
+
+
+def grid(per_node, dynamic=1):
+    """Rows of comm.node_layout() for nodes of `per_node` workers each."""
+    rows = []
+    for node, size in enumerate(per_node):
+        rows += [[j, size, node, len(per_node), dynamic] for j in range(size)]
+    return rows
+
+
+def decide(setting, rows, **kw):
+    kw = {"elastic": False, "auto_rank": False, **kw}
+    return hierarchy.decide(setting, FakeComm(rows, kw.pop("set_id", 0)), **kw)
+
+
+def test_false_decides_without_a_collective():
+    comm = FakeComm(grid([2, 2]))
+    assert hierarchy.decide(False, comm, elastic=False, auto_rank=False) is None
+    assert comm.gathered == 0
+
+
+@pytest.mark.parametrize(
+    "kw, cause",
+    [({"auto_rank": True}, 'rank="auto"'), ({"elastic": True}, "elastic"),
+     ({"set_id": 3}, "global process set")],
+)  # fmt: skip
+def test_true_refuses_what_it_cannot_do_and_auto_runs_flat(monkeypatch, kw, cause):
+    with pytest.raises(ValueError, match=cause):
+        decide(True, grid([2, 2]), **kw)
+    assert decide("auto", grid([2, 2]), **kw) is None
+
+
+def test_uneven_nodes_raise_with_true_naming_them_and_run_flat_with_auto(monkeypatch):
+    monkeypatch.setattr(hvd_comm, "node_layout", lambda: [0, 2, 0, 2, 1])
+    rows = grid([2, 1])
+    rows = [[j, s, n, 2, d] for j, s, n, _, d in rows]
+    with pytest.raises(ValueError, match=r"same number of workers on every node.*\[1, 2\]"):
+        decide(True, rows)
+    assert decide("auto", rows) is None
+
+
+@pytest.mark.parametrize("per_node, what", [([1, 1, 1], "nothing to share"), ([4], "one node")])
+def test_nothing_to_gain_warns_with_true_and_is_silent_with_auto(monkeypatch, per_node, what):
+    monkeypatch.setattr(hvd_comm, "node_layout", lambda: [0, 1, 0, 1, 1])
+    with pytest.warns(UserWarning, match=what):
+        assert decide(True, grid(per_node)) is None
+    assert decide("auto", grid(per_node)) is None
+
+
+def test_missing_dynamic_process_sets_on_any_rank_says_how_to_enable_them(monkeypatch):
+    monkeypatch.setattr(hvd_comm, "node_layout", lambda: [0, 2, 0, 2, 1])
+    rows = grid([2, 2])
+    rows[3][4] = 0  # one rank without the variable: every rank decides alike
+    with pytest.raises(ValueError, match="HOROVOD_DYNAMIC_PROCESS_SETS=1"):
+        decide(True, rows)
+    with pytest.warns(UserWarning, match="runs flat"):
+        assert decide("auto", rows) is None
