@@ -88,6 +88,13 @@ def add_common_args(parser: argparse.ArgumentParser, start_iter_help: str | None
     parser.add_argument(
         "--json", metavar="PATH", default=None, help="write per-epoch metrics here (rank 0)"
     )
+    parser.add_argument(
+        "--hierarchical",
+        choices=("off", "on", "auto"),
+        default="off",
+        help="on nodes of several workers: exact inside the node, PowerSGD between nodes, "
+        "each node's compression shared by its workers (auto: on for several such nodes)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--tensorboard",
@@ -123,6 +130,9 @@ def parse(parser: argparse.ArgumentParser, argv):
         value = getattr(args, flag)
         if value is not None and value != "auto" and value < 0:
             parser.error(f"--{flag.replace('_', '-')} must be >= 0")
+    if getattr(args, "hierarchical", "off") != "off":
+        # Horovod: hierarchical PowerSGD adds process sets after hvd.init().
+        os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
     return args
 
 
@@ -192,6 +202,7 @@ def distributed_optimizer(optimizer, model, args):
         log_every=args.powersgd_log_every,
         max_rank=args.powersgd_max_rank,
         auto_link=args.powersgd_link,
+        hierarchical={"off": False, "on": True, "auto": "auto"}[args.hierarchical],
     )
 
 
@@ -459,9 +470,23 @@ def log_epoch(epoch: int, metrics: str, comm: dict, wall: float) -> None:
     )
 
 
+def layer_errors(optimizer) -> dict:
+    """Per compressed layer: PowerSGD's relative error ‖M − P̂·Qᵀ‖/‖M‖, the ranks' moving
+    average at the last check. Hierarchical: each rank knows its share's layers; all
+    ranks' lists are gathered (every rank calls this)."""
+    layers = optimizer.compression_stats(per_layer=True)["layers"]
+    merged = {}
+    for rows in hvd.allgather_object(layers, name="finish.layers"):
+        for row in rows:
+            merged.setdefault(row["name"], row["avg_relative_error"])
+    return merged
+
+
 def finish(recorder, meter, model, args, method: str, metrics: dict, headline: str) -> dict:
     """Writes the final record, prints its line; returns the record, with the model in it."""
     totals = meter.totals()
+    if meter.powersgd:
+        metrics = dict(metrics, relative_error=layer_errors(meter.optimizer))
     record = recorder.finish(
         dict(metrics, bytes_sent=int(totals["bytes_sent"]), ratio=totals["ratio"])
     )

@@ -24,6 +24,11 @@ inter-node hop (per NIC, `nics` NICs a node):
   scatter inside each node, an all-reduce of each 1/L shard across the N nodes
   (the L shards share the node's NICs), all-gather inside the node.
 
+* hierarchical PowerSGD (hierarchy.py): P and Q of each 1/L share are
+  all-reduced by one worker per node across the N nodes, the node's L shares at
+  once, sharing its NICs (`ShareLink`); the node's reduce-scatter before and
+  all-gather after ride the intra-node hop (bench/scale.py adds them).
+
 `ClusterLink` gives the planner (planner.py) the cost of one all-reduce on a
 cluster in the same form as a `Link` measured on this machine, so one step
 model serves the running job and the scale CLI (bench/scale.py).
@@ -141,6 +146,31 @@ class ClusterLink:
 
     def seconds(self, nbytes: float) -> float:
         return allreduce_s(nbytes, self.cluster, self.algorithm)
+
+
+@dataclass(frozen=True)
+class ShareLink:
+    """Hierarchical PowerSGD's messages between nodes, in the planner's form of a link.
+
+    `seconds(nbytes)`: a bucket's `nbytes` (P, Q or the uncompressed, the whole
+    node's) split into L shares, each all-reduced by one worker per node over
+    the N nodes, all L at once on the node's NICs.
+
+    Example:
+        >>> c = Cluster(nodes=2, per_node=2, intra=Hop(1e-6, 1e10), inter=Hop(1e-4, 12.5e6))
+        >>> round(ShareLink(c).seconds(1e6) * 1e3, 2)  # 0.5 MB a share, 2 steps, 6.25 MB/s each
+        80.2
+    """
+
+    cluster: Cluster
+
+    def seconds(self, nbytes: float) -> float:
+        c = self.cluster
+        if c.nodes <= 1:
+            return 0.0
+        hop = c.inter.scaled(c.nics / c.per_node)
+        share = nbytes / c.per_node
+        return min(collective_s(k, share, c.nodes, hop) for k in ("ring", "tree"))
 
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}

@@ -185,6 +185,13 @@ class Comm:
         self.tally.elements_sent += sum(t.numel() for t in tensors)
         self.tally.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
 
+    def sum_async(self, tensors: list[torch.Tensor], name: str):
+        """One grouped all-reduce of `tensors` in place, summed (whatever `op`), counted."""
+        self._count(tensors)
+        return hvd.grouped_allreduce_async_(
+            tensors, name=f"{self.name}.{name}", op=hvd.Sum, process_set=self.process_set
+        )
+
     def reducescatter_async(self, tensors: list[torch.Tensor], name: str):
         """One grouped reduce-scatter (op, no scaling): set rank i gets row i of each
         (set size, L) tensor; counted. `wait` gives the (1, L) results."""

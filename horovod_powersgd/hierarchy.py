@@ -112,26 +112,30 @@ def build(params, names: dict, buckets, config, comm, *, active: bool, elastic: 
     return hierarchy, compressor, reducer
 
 
+def check(setting, process_set, elastic: bool, auto_rank: bool) -> bool:
+    """Whether `hierarchical` may be on with these settings; True where it cannot raises
+    (before any collective, on every rank alike: the same arguments everywhere)."""
+    why = None
+    if auto_rank:
+        why = 'rank="auto" plans a flat step only'
+    elif elastic:
+        why = "elastic Horovod changes the nodes while training; shares are fixed at construction"
+    elif process_set.process_set_id != 0:
+        why = "it needs the global process set (nodes are Horovod's local and cross ranks)"
+    if why is not None and setting is True:
+        raise ValueError(f"hierarchical=True: {why}; use hierarchical=False")
+    return why is None
+
+
 def decide(setting, comm, *, elastic: bool, auto_rank: bool) -> Hierarchy | None:
     """The `hierarchical` setting, for this job: a `Hierarchy`, or None (flat).
 
     True raises (on every rank alike) where it cannot work; "auto" is on where
     it can and the job has several nodes of several workers each.
     """
-    if setting is False:
+    if setting is False or not check(setting, comm.process_set, elastic, auto_rank):
         return None
     asked = setting is True
-    why = None
-    if auto_rank:
-        why = 'rank="auto" plans a flat step only'
-    elif elastic:
-        why = "elastic Horovod changes the nodes while training; shares are fixed at construction"
-    elif comm.process_set.process_set_id != 0:
-        why = "it needs the global process set (nodes are Horovod's local and cross ranks)"
-    if why is not None:
-        if asked:
-            raise ValueError(f"hierarchical=True: {why}; use hierarchical=False")
-        return None
     if comm.size == 1:
         return None
     rows = comm.allgather(torch.tensor([hvd_comm.node_layout()]), "nodes").tolist()
@@ -165,35 +169,61 @@ def decide(setting, comm, *, elastic: bool, auto_rank: bool) -> Hierarchy | None
 
 
 class _Pack:
-    """One dtype's tensors of a bucket, laid out as (workers per node, L): row j is
-    local rank j's share, zero-padded to the longest share."""
+    """One dtype's tensors of a bucket, as the node's collectives carry them.
 
-    def __init__(self, params: list, owner: dict, names: dict, local_size: int):
-        self.params = params
-        offsets = [0] * local_size
-        self.where = []  # per param: (owner, offset, numel)
+    Scattered (`build(True)`): an (L, longest share) tensor whose row j is local
+    rank j's share, zero-padded; reduce-scattered in stage 1, all-gathered in 4.
+    Where a bucket is one large tensor and little else, the padding would make
+    that L times the bucket; such a bucket is reduced whole (`build(False)`):
+    the bucket as one flat tensor, all-reduced (averaged) in stage 1 and, with
+    every share but this worker's zeroed, summed in stage 4. Scattered moves
+    (L-1)·(longest share) per worker and stage, reduced 2(L-1)/L of the bucket:
+    `padded_work` compares them.
+    """
+
+    def __init__(self, params: list, owner: dict, names: dict, local_size: int, me: int):
+        self.params, self.local_size, self.me = params, local_size, me
+        offsets, flat = [0] * local_size, 0
+        self.where = []  # per param: (owner, offset in its row, offset in the flat bucket, numel)
         for p in params:
             j = owner[names[p]]
-            self.where.append((j, offsets[j], p.numel()))
+            self.where.append((j, offsets[j], flat, p.numel()))
             offsets[j] += p.numel()
-        self.length = max(1, *offsets)
+            flat += p.numel()
+        self.length, self.total = max(1, *offsets), max(1, flat)
         dtype = params[0].dtype
         self.dtype = dtype if dtype in COMM_DTYPES else torch.float32
-        self.buffer = torch.zeros(
-            local_size, self.length, dtype=self.dtype, device=params[0].device
-        )
-        self.send_views = [
-            self.buffer[j, o : o + n].view(p.shape) for p, (j, o, n) in zip(params, self.where)
-        ]
+        self.device = params[0].device
 
-    def views(self, rows: torch.Tensor, share: int | None = None) -> list:
-        """(param, view of it) in `rows` ((L,) of share `share`, or (local size, L))."""
+    def padded_work(self) -> tuple[int, int]:
+        """(elements a worker sends scattered, ... reduced whole), per node stage, times L."""
+        return self.local_size * (self.local_size - 1) * self.length, 2 * (
+            self.local_size - 1
+        ) * self.total
+
+    def build(self, scattered: bool) -> None:
+        self.scattered = scattered
+        shape = (self.local_size, self.length) if scattered else (self.total,)
+        self.buffer = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.send_views = [v for _, v in self.views(self.buffer)]
+        if not scattered:  # 1 where this worker's share lies: zeroes the others' in stage 4
+            self.mask = torch.zeros(self.total, dtype=self.dtype, device=self.device)
+            for _, view in self.views(self.mask, self.me):
+                view.fill_(1)
+
+    def views(self, result: torch.Tensor, share: int | None = None) -> list:
+        """(param, its view) in `result`: the whole bucket (share None) or one share's
+        tensors. Scattered: (L, longest) for the bucket, (longest,) for a share."""
         out = []
-        for p, (j, o, n) in zip(self.params, self.where):
-            if share is None:
-                out.append((p, rows[j, o : o + n].view(p.shape)))
-            elif j == share:
-                out.append((p, rows[o : o + n].view(p.shape)))
+        for p, (j, row_offset, flat_offset, n) in zip(self.params, self.where):
+            if share is not None and j != share:
+                continue
+            if not self.scattered:
+                out.append((p, result[flat_offset : flat_offset + n].view(p.shape)))
+            elif share is None:
+                out.append((p, result[j, row_offset : row_offset + n].view(p.shape)))
+            else:
+                out.append((p, result[row_offset : row_offset + n].view(p.shape)))
         return out
 
 
@@ -212,7 +242,11 @@ class HierarchicalReducer(Reducer):
             by_dtype = {}
             for p in b.dense:
                 by_dtype.setdefault(p.dtype, []).append(p)
-            b.packs = [_Pack(ps, self.owner, self.names, size) for ps in by_dtype.values()]
+            b.packs = [_Pack(ps, self.owner, self.names, size, me) for ps in by_dtype.values()]
+            work = [pack.padded_work() for pack in b.packs]
+            b.scattered = sum(w[0] for w in work) <= sum(w[1] for w in work)
+            for pack in b.packs:
+                pack.build(b.scattered)
             b.shared_plain = [p for p in b.dense if self.owner[self.names[p]] == me]
             b.shared_plain = [p for p in b.shared_plain if p not in self._compressed]
             b.stage = 0
@@ -247,11 +281,12 @@ class HierarchicalReducer(Reducer):
         for pack in bucket.packs:
             torch._foreach_copy_(pack.send_views, [p.grad for p in pack.params])
         bucket.stage = 1
-        bucket.handles = [
-            self.hierarchy.node.reducescatter_async(
-                [pack.buffer for pack in bucket.packs], f"b{bucket.index}.rs"
-            )
-        ]
+        buffers, node = [pack.buffer for pack in bucket.packs], self.hierarchy.node
+        if bucket.scattered:
+            handle = node.reducescatter_async(buffers, f"b{bucket.index}.rs")
+        else:  # in place: the buffers hold the node's average
+            handle = node.allreduce_async(buffers, f"b{bucket.index}.ar")
+        bucket.handles = [handle]
         self.launched.append(bucket)
 
     def _advance(self, bucket: Bucket, block: bool) -> None:
@@ -261,7 +296,7 @@ class HierarchicalReducer(Reducer):
             if not block and not self.comm.poll(handle):
                 return
             result = self.comm.wait(handle)
-            if bucket.stage == 1:
+            if bucket.stage == 1:  # scattered: this worker's (1, longest) row
                 self._compress_share(bucket, [t.view(-1) for t in result])
             elif bucket.stage == 2 and self.two_rounds and bucket.factor_count:
                 bucket.received = result[bucket.factor_count :]
@@ -318,8 +353,14 @@ class HierarchicalReducer(Reducer):
         if bucket.factor_count:
             out = {self.names[p]: bucket.share_views[p] for p in bucket.compressed}
             self.compressor.decompress(list(factors), out=out, bucket=bucket.index)
-        rows = [s.view(1, -1) for s in bucket.sections]
-        bucket.handles.append(self.hierarchy.node.allgather_async(rows, f"b{bucket.index}.ag"))
+        node = self.hierarchy.node
+        if bucket.scattered:
+            rows = [s.view(1, -1) for s in bucket.sections]
+            handle = node.allgather_async(rows, f"b{bucket.index}.ag")
+        else:  # this worker's share, zeros elsewhere, summed over the node
+            sections = [s.mul_(pack.mask) for s, pack in zip(bucket.sections, bucket.packs)]
+            handle = node.sum_async(sections, f"b{bucket.index}.sum")
+        bucket.handles.append(handle)
         bucket.stage = 4
 
     def _unpack(self, bucket: Bucket, gathered) -> None:

@@ -48,6 +48,7 @@ from .agreement import (
 from .config import PowerSGDConfig, check_groups, check_log_every, check_named_parameters
 from .guard import DriftGuard
 from .hierarchy import build
+from .hierarchy import check as hierarchy_check
 from .monitor import LayerMonitor
 from .reducer import make_buckets
 from .sparse import SparseGradients
@@ -725,6 +726,7 @@ def DistributedOptimizer(
         raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
     if not isinstance(process_set, hvd_comm.ProcessSet):
         raise ValueError(f"process_set must be a hvd.ProcessSet, got {process_set!r}")
+    hierarchy_check(config.hierarchical, process_set, _elastic(), config.auto)
     given = None if named_parameters is None else list(named_parameters)
     named_parameters = check_named_parameters(optimizer, given)
     model_names = {p: name for name, p in given or ()}

@@ -11,7 +11,8 @@
 
 For each worker count and inter-node bandwidth it prints the predicted step
 time of plain Horovod (fp32, fp16, hierarchical), PowerSGD at each rank the
-profile measured (the profile's schedule) and rank="auto"'s plan, and the
+profile measured (the profile's schedule), hierarchical PowerSGD at those
+ranks (clusters of several nodes of several workers) and rank="auto"'s plan, and the
 speedup of each over plain Horovod; "*" marks the fastest (the first in
 the table within 1 % of the shortest). The step model is
 planner.py's (the one rank="auto" plans with) on collectives.py's cluster
@@ -29,13 +30,52 @@ import json
 import sys
 
 from .. import planner
-from ..collectives import ALGORITHMS, ClusterLink, parse_cluster, parse_rate
+from ..collectives import (
+    ALGORITHMS,
+    ClusterLink,
+    ShareLink,
+    collective_s,
+    parse_cluster,
+    parse_rate,
+)
 
 
 def _halved(m: planner.Measurements) -> planner.Measurements:
     """The job with plain buckets sent in float16 (Horovod's fp16 compression)."""
     buckets = tuple(dataclasses.replace(b, plain_bytes=b.plain_bytes / 2) for b in m.buckets)
     return dataclasses.replace(m, buckets=buckets)
+
+
+def hierarchical(m: planner.Measurements, cluster) -> planner.Measurements:
+    """The profiled job as hierarchical PowerSGD on `cluster` (docs/hierarchical.md).
+
+    Each bucket's local work is split over the node's L workers (measured: 0.51-0.56
+    of flat's per worker at L = 2); it starts once the node's reduce-scatter of the
+    bucket is back (the intra-node hop, before the bucket can leave); P, Q and the
+    uncompressed tensors cross as L shares (`ShareLink`); the all-gather of the last
+    bucket ends the step (earlier ones overlap the later buckets on the other link).
+    """
+    per_node = cluster.per_node
+
+    def inside(nbytes: float) -> float:
+        return collective_s("reduce_scatter", nbytes, per_node, cluster.intra)
+
+    buckets = tuple(
+        dataclasses.replace(
+            b,
+            options={
+                r: dataclasses.replace(
+                    o,
+                    compress_s=inside(b.plain_bytes) + o.compress_s / per_node,
+                    work_s=o.work_s / per_node,
+                )
+                for r, o in b.options.items()
+            },
+        )
+        for b in m.buckets
+    )
+    last = inside(m.buckets[-1].plain_bytes) if m.buckets else 0.0
+    return dataclasses.replace(m, buckets=buckets, link=ShareLink(cluster), rest_s=m.rest_s + last)
 
 
 def predictions(m: planner.Measurements, cluster, algorithm: str = "nccl") -> dict[str, float]:
@@ -52,6 +92,10 @@ def predictions(m: planner.Measurements, cluster, algorithm: str = "nccl") -> di
     ranks = sorted({r for b in m.buckets for r in b.options})
     for rank in ranks:
         out[f"powersgd-r{rank}"] = planner.predict(on, planner.uniform(on, rank))
+    if cluster.nodes > 1 and cluster.per_node > 1:
+        shared = hierarchical(m, cluster)
+        for rank in ranks:
+            out[f"powersgd-hier-r{rank}"] = planner.predict(shared, planner.uniform(shared, rank))
     if ranks:
         out["powersgd-auto"] = planner.predict(on, planner.choose(on, ranks))
     return out

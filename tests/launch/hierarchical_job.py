@@ -11,7 +11,6 @@ import argparse
 import hashlib
 import json
 import socket
-import sys
 import warnings
 
 import horovod.torch as hvd
@@ -81,6 +80,12 @@ def train(model, opt, steps, start=0):
         opt.step()
 
 
+def done(row):
+    """Print the row; then wait for every rank (a rank that ends early ends Horovod)."""
+    print("hier_job " + json.dumps(row) + "\n", end="")
+    hvd.allreduce(torch.zeros(1), name="job.done")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("directory")
@@ -109,12 +114,10 @@ def main():
             opt = make(model, args, **kw)
             if args.process_set:  # outside it: a local optimizer, nothing to show
                 row["error"] = None
-                print("hier_job " + json.dumps(row) + "\n", end="")
-                return
+                return done(row)
         except ValueError as e:  # raised on every rank alike, before any collective
             row["error"] = str(e)
-            print("hier_job " + json.dumps(row) + "\n", end="")
-            return
+            return done(row)
         row["hierarchical"] = opt._hierarchy is not None
         train(model, opt, args.steps)
         path = f"{args.directory}/ckpt.pt"
@@ -131,10 +134,23 @@ def main():
         hps.load_checkpoint(path, model2, opt2)
         train(model2, opt2, args.steps, start=args.steps)
         row["resumed"] = digest(model2)
+        # Horovod's usual resume: rank 0 alone loads its state_dict, then the broadcasts;
+        # every rank of every share goes on alike (shares whose holder did not load
+        # restart their memories), and the parameters stay identical.
+        saved = opt.state_dict()
+        model3 = model_of(seed=2)
+        opt3 = make(model3, args)
+        if hvd.rank() == 0:
+            model3.load_state_dict(model.state_dict())
+            opt3.load_state_dict(saved)
+        hvd.broadcast_parameters(model3.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt3, root_rank=0)
+        train(model3, opt3, 3, start=2 * args.steps)
+        row["rank0_resume"] = digest(model3)
+        row["rank0_resume_step"] = opt3.powersgd_step
         row["full_rank_gap"] = full_rank_gap(args)
     row["warnings"] = [str(w.message)[:200] for w in caught]
-    print("hier_job " + json.dumps(row) + "\n", end="")
-    sys.stdout.flush()
+    done(row)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ def test_a_pack_lays_out_each_share_in_its_row_padded_to_the_longest():
     params = [torch.zeros(3, 2), torch.zeros(5), torch.zeros(2, 2)]
     names = {p: str(i) for i, p in enumerate(params)}
     owner = {"0": 0, "1": 1, "2": 0}
-    pack = hierarchy._Pack(params, owner, names, 2)
+    pack = hierarchy._Pack(params, owner, names, 2, me=0)
+    pack.build(scattered=True)
     assert pack.buffer.shape == (2, 10)  # share 0: 6 + 4, share 1: 5 (padded)
     grads = [torch.arange(p.numel(), dtype=torch.float32).view(p.shape) + 10 * i
              for i, p in enumerate(params)]  # fmt: skip
@@ -54,9 +55,30 @@ def test_a_pack_lays_out_each_share_in_its_row_padded_to_the_longest():
     assert all(torch.equal(everything[p], g) for p, g in zip(params, grads))
 
 
+def test_a_bucket_of_one_large_tensor_is_reduced_whole_not_padded():
+    """Padding one 1000-element share to 4 rows would send 4x the bucket; reduced
+    whole it is one flat tensor, and the mask keeps this worker's share only."""
+    params = [torch.zeros(40, 25), torch.zeros(7)]
+    names = {p: str(i) for i, p in enumerate(params)}
+    pack = hierarchy._Pack(params, {"0": 0, "1": 1}, names, 4, me=1)
+    scattered, whole = pack.padded_work()
+    assert scattered > whole  # 4·3·1000 > 2·3·1007
+    pack.build(scattered=False)
+    assert pack.buffer.shape == (1007,)
+    assert torch.equal(pack.mask, torch.cat([torch.zeros(1000), torch.ones(7)]))
+    mine = dict(pack.views(pack.buffer, share=1))
+    assert list(mine) == [params[1]] and mine[params[1]].data_ptr() == pack.buffer[1000:].data_ptr()
+    # Two tensors of equal size in a bucket of two workers: scattered, no padding.
+    even = [torch.zeros(10, 10), torch.zeros(10, 10)]
+    pack = hierarchy._Pack(even, {"0": 0, "1": 1}, {p: str(i) for i, p in enumerate(even)}, 2, 0)
+    scattered, whole = pack.padded_work()
+    assert scattered < whole
+
+
 def test_a_bfloat16_pack_travels_as_float32():
     params = [torch.zeros(4, dtype=torch.bfloat16)]
-    pack = hierarchy._Pack(params, {"0": 0}, {params[0]: "0"}, 2)
+    pack = hierarchy._Pack(params, {"0": 0}, {params[0]: "0"}, 2, me=0)
+    pack.build(scattered=True)
     assert pack.buffer.dtype == torch.float32
 
 

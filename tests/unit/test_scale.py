@@ -132,3 +132,29 @@ def test_the_cli_finds_powersgd_pays_on_slow_links_only(tmp_path, capsys):
     slow = [r for r in rows if r["bandwidth"] == "100mbit"]
     # More workers, more latency steps and more of the bytes on each link: plain slows down.
     assert [r["step_ms"]["horovod"] for r in slow] == sorted(r["step_ms"]["horovod"] for r in slow)
+
+
+def test_hierarchical_powersgd_step_worked_by_hand():
+    """One bucket, two nodes of two workers: the work halves, the factors cross in halves
+    sharing the NIC, the node's reduce-scatter precedes the send, its all-gather ends."""
+    option = planner.Option(compress_s=0.002, work_s=0.006, round1_bytes=2e4, round2_bytes=1e4)
+    bucket = planner.Bucket(ready_s=0.01, plain_bytes=4e6, options={2: option})
+    link = planner.Link(latency_s=1e-4, bytes_per_s=1e9)
+    m = planner.Measurements((bucket,), backward_s=0.01, step_s=0.05, link=link, rest_s=0.04)
+    intra, inter = Hop(1e-6, 1e10), Hop(1e-4, 1e8)
+    c = Cluster(nodes=2, per_node=2, intra=intra, inter=inter)
+    inside = 1e-6 + 0.5 * 4e6 / 1e10  # reduce-scatter (and all-gather) over the node's 2
+    shared = 1e8 / 2  # two shares at once on the node's one NIC
+
+    def across(nbytes):  # a 2-node ring on half the bytes
+        return 2 * 1e-4 + (nbytes / 2) / shared
+
+    leaves = 0.01 + inside + 0.002 / 2
+    link_done = leaves + across(2e4) + across(1e4)
+    expected = 0.04 + inside + max(0.01 + 0.006 / 2, link_done)
+    got = planner.predict(scale.hierarchical(m, c), [2])
+    assert got == pytest.approx(expected)
+    # The scale CLI's table has it for clusters of several nodes of several workers only.
+    assert "powersgd-hier-r2" in scale.predictions(m, c)
+    assert "powersgd-hier-r2" not in scale.predictions(m, Cluster(1, 2, intra, inter))
+    assert "powersgd-hier-r2" not in scale.predictions(m, Cluster(2, 1, intra, inter))
