@@ -32,7 +32,7 @@ CONFIGS = {
 
 def run(config: str, seed: int, epochs: int) -> None:
     path = OUT / f"{config}-seed{seed}.json"
-    if path.exists():
+    if path.exists() and "final" in json.loads(path.read_text()):
         return
     cmd = ["bash", str(ROOT / "scripts/two_nodes.sh"), "--rate", "100mbit", "--timeout", "3000",
            "--", str(ROOT / ".venv/bin/python"), str(ROOT / "examples/fashion_mnist.py"),
@@ -46,6 +46,8 @@ def report() -> str:
     runs = {}
     for path in sorted(OUT.glob("*.json")):
         record = json.loads(path.read_text())
+        if "final" not in record:  # still running (the example writes every epoch)
+            continue
         config, seed = path.stem.rsplit("-seed", 1)
         runs[(config, int(seed))] = record
     seeds = sorted({s for _, s in runs})

@@ -73,6 +73,13 @@ def test_two_nodes_of_two_workers_keep_the_contract(python, tmp_path, options):
         assert all(v is not None for v in r["relative_error"].values()), r
 
 
+def test_two_nodes_of_three_workers_keep_the_contract(python, tmp_path):
+    """Three shares a node: an odd split, some bucket tensors on one share only."""
+    rows = run_job(python, tmp_path, "--steps", "4", per_node="3")
+    assert all(r["hierarchical"] for r in rows)
+    assert_contract(rows)
+
+
 def test_auto_is_on_for_two_nodes_of_two_workers_only(python, tmp_path):
     rows = run_job(python, tmp_path, "--setting", "auto", "--steps", "6")
     assert all(r["hierarchical"] for r in rows)
