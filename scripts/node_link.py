@@ -73,7 +73,8 @@ def measure(hvd, args, config: str, rank: int | None) -> dict:
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     else:
         opt = hps.DistributedOptimizer(
-            opt, named_parameters=model.named_parameters(), rank=rank,
+            opt, named_parameters=model.named_parameters(),
+            rank="auto" if config == "powersgd-auto" else rank,
             hierarchical=config == "powersgd-hier",
         )  # fmt: skip
         timed(opt.compressor, spent)
@@ -127,8 +128,16 @@ def main() -> None:
         default=None,
         help="HOROVOD_CYCLE_TIME: how often Horovod's thread coordinates",
     )
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="HOROVOD_POWERSGD_PROFILE: powersgd-auto writes its measurements here "
+        "(bench.scale's profile; --warmup 12 lets it measure)",
+    )
     args = p.parse_args()
     os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
+    if args.profile:
+        os.environ["HOROVOD_POWERSGD_PROFILE"] = args.profile
     if args.cycle_time_ms is not None:
         os.environ["HOROVOD_CYCLE_TIME"] = str(args.cycle_time_ms)
     if args.horovod_hierarchical:
