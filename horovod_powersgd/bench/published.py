@@ -176,19 +176,36 @@ def nccl_ring_latency() -> Case:
         cluster = Cluster(nodes, 8, Hop(latency_s, nvlink), Hop(latency_s, efa))
         return allreduce_s(8, cluster, "ring")
 
-    hop = _solve(lambda lat: ring(2, lat), published["2 nodes"], 0.0, 1e-3)
+    return _ring_latency(
+        "NCCL ring latency",
+        "issue 54 (as quoted; not found in a source reachable here)",
+        "2/4/8 nodes x 8 GPUs (AWS p3dn.24xlarge), 16/32/64 ranks",
+        "ring (NCCL_ALGO=Ring); message 8 bytes",
+        published,
+        ring,
+        ("node", "nodes"),
+    )
+
+
+def _ring_latency(name, source, cluster, algorithm, published, ring, unit) -> Case:
+    """A ring's 8-byte latency at 2, 4 and 8 `unit`s: the hop fitted to 2, the rest predicted.
+
+    `ring(count, hop latency)`: the model's seconds; `unit`: (singular, plural).
+    """
+    first = f"2 {unit[1]}"
+    hop = _solve(lambda lat: ring(2, lat), published[first], 0.0, 1e-3)
     return Case(
-        name="NCCL ring latency",
-        source="issue 54 (as quoted; not found in a source reachable here)",
+        name=name,
+        source=source,
         quantity="8-byte ring all-reduce, us",
         inputs={
-            "cluster": "2/4/8 nodes x 8 GPUs (AWS p3dn.24xlarge), 16/32/64 ranks",
-            "hop latency": f"{hop * 1e6:.2f} us, fitted to the 2-node time",
-            "algorithm": "ring (NCCL_ALGO=Ring); message 8 bytes",
+            "cluster": cluster,
+            "hop latency": f"{hop * 1e6:.2f} us, fitted to the 2-{unit[0]} time",
+            "algorithm": algorithm,
         },
         published={k: v * 1e6 for k, v in published.items()},
-        predicted={f"{n} nodes": ring(n, hop) * 1e6 for n in (2, 4, 8)},
-        fitted=("2 nodes",),
+        predicted={f"{n} {unit[1]}": ring(n, hop) * 1e6 for n in (2, 4, 8)},
+        fitted=(first,),
     )
 
 
@@ -203,19 +220,14 @@ def nccl_ring_latency_one_node() -> Case:
         nvlink = Hop(latency_s, 100e9)
         return allreduce_s(8, Cluster(1, gpus, nvlink, nvlink), "ring")
 
-    hop = _solve(lambda lat: ring(2, lat), published["2 GPUs"], 0.0, 1e-3)
-    return Case(
-        name="NCCL ring latency, 1 node",
-        source="github.com/NVIDIA/nccl-tests/issues/123",
-        quantity="8-byte ring all-reduce, us",
-        inputs={
-            "cluster": "1 DGX-A100, 2/4/8 GPUs over NVLink (source)",
-            "hop latency": f"{hop * 1e6:.2f} us, fitted to the 2-GPU time",
-            "algorithm": "NCCL_ALGO=Ring NCCL_MAX_NCHANNELS=1, 8 bytes (source)",
-        },
-        published={k: v * 1e6 for k, v in published.items()},
-        predicted={f"{n} GPUs": ring(n, hop) * 1e6 for n in (2, 4, 8)},
-        fitted=("2 GPUs",),
+    return _ring_latency(
+        "NCCL ring latency, 1 node",
+        "github.com/NVIDIA/nccl-tests/issues/123",
+        "1 DGX-A100, 2/4/8 GPUs over NVLink (source)",
+        "NCCL_ALGO=Ring NCCL_MAX_NCHANNELS=1, 8 bytes (source)",
+        published,
+        ring,
+        ("GPU", "GPUs"),
     )
 
 
