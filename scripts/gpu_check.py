@@ -49,9 +49,9 @@ PHASES = ("probe", "build", "timing", "contract", "syncs", "e2e")
 # and the timing run side by side; contract and syncs too.
 BUDGETS = {
     "full": {"total": 470, "probe": 45, "build": 270, "timing": 270, "contract": 90,
-             "syncs": 90, "e2e": 70},
+             "syncs": 90, "e2e": 70, "profile": 90},
     "tiny": {"total": 420, "probe": 60, "build": 900, "timing": 180, "contract": 150,
-             "syncs": 150, "e2e": 90},
+             "syncs": 150, "e2e": 90, "profile": 90},
 }  # fmt: skip
 RESERVE_S = 8  # kept back at the end for the report
 LOG_LIMIT = 4 * 2**20  # the end of each log that goes back (the device takes 16 MB a file)
@@ -731,6 +731,16 @@ class Kit:
         result = self.job("e2e", "steps", cmd).wait(self.budget("e2e"))
         self.report["e2e"] = _read_json(path)
         self.set_phase("e2e", result["status"], result["seconds"], log=result["log_tail"])
+        # Then rank="auto"'s profile of each model (docs/scale.md): in the e2e phase's
+        # report and log, its status only a note, so that the phase's verdict is the steps'.
+        path = os.path.join(self.work, "profile.json")
+        cmd = self.horovodrun(build, 1, os.path.join(SCRIPTS, "gpu_timing.py"), "profile",
+                              "--json", path, "--size", self.size)  # fmt: skip
+        profile = self.job("e2e", "profile", cmd).wait(self.budget("profile"))
+        self.report["profile"] = _read_json(path)
+        note = f"profile: {profile['status']} in {profile['seconds']:.1f} s"
+        self.set_phase("e2e", result["status"], result["seconds"], note=note,
+                       log=result["log_tail"])  # fmt: skip
 
 
 def _make_bare_venv(venv: str, system_site_packages: bool) -> None:
@@ -867,6 +877,7 @@ def render_markdown(report: dict) -> str:
     lines += _contract_section(report)
     lines += _timing_section(report, cuda)
     lines += _e2e_section(report)
+    lines += _profile_section(report)
     lines += _syncs_section(report)
     return "\n".join(lines) + "\n"
 
@@ -964,6 +975,10 @@ def _timing_section(report, cuda):
             lines += ["", f"Rank {first['rank']}, rounds={first['rounds']}, by phase (ms; "
                       f"buckets: {first['buckets']}, compressed tensors: "
                       f"{first['compressed_tensors']}): {phases}."]  # fmt: skip
+        for key, graphed in (model.get("graphed") or {}).items():
+            lines += ["", f"The local work at {key} as one CUDA graph (scripts/gpu_timing.py "
+                      f"`_graphed`): eager {_ms(graphed.get('eager_ms'))} ms, replayed "
+                      f"{_ms(graphed.get('graph_ms'))} ms."]  # fmt: skip
         lines += _verdict(model, cuda)
         for key, error in (model.get("errors") or {}).items():
             lines += ["", f"Error in {key}:", "", "```", error.strip()[-800:], "```"]
@@ -1013,6 +1028,28 @@ def _e2e_section(report):
             )
         for label, error in (model.get("errors") or {}).items():
             lines.append(f"| {name} | {label} | error: {error.strip().splitlines()[-1][:120]} | |")
+    return lines
+
+
+def _profile_section(report):
+    profile = report.get("profile")
+    if not profile:
+        return []
+    lines = ["", f"## rank=\"auto\"'s profile on this device ({profile.get('ranks')} rank; "
+             "`python -m horovod_powersgd.bench.scale --profile`, docs/scale.md)", "",
+             "| model | precision | steps | step ms | backward ms | buckets | error |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for name, model in (profile.get("models") or {}).items():
+        got = model.get("profile") or {}
+        step = got.get("step_s")
+        backward = got.get("backward_s")
+        error = (model.get("error") or "").strip().splitlines()
+        lines.append(
+            f"| {name} | {model.get('precision')} | {len(model.get('steps_ms') or [])} "
+            f"| {_ms(None if step is None else step * 1000.0)} "
+            f"| {_ms(None if backward is None else backward * 1000.0)} "
+            f"| {len(got.get('buckets') or [])} | {error[-1][:120] if error else ''} |"
+        )
     return lines
 
 

@@ -2,6 +2,7 @@
 
     python scripts/gpu_timing.py local --json t.json --size full      # no Horovod needed
     horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu_timing.py e2e --json e.json
+    horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu_timing.py profile --json p.json
 
 ``local``, per model (scripts/gpu_models.py) and precision (float32, bfloat16 autocast):
 
@@ -20,6 +21,11 @@
 
 ``e2e`` (under horovodrun, 1 rank): whole steps of ``hvd.DistributedOptimizer``
 against ``horovod_powersgd.DistributedOptimizer``, Horovod's collectives included.
+
+``profile`` (under horovodrun, 1 rank): a ``rank="auto"`` job of each model in one
+precision (ResNet-50 fp32, GPT-2 bf16 autocast), run until auto has measured and
+written its profile (``HOROVOD_POWERSGD_PROFILE``): the device's own profile for
+``python -m horovod_powersgd.bench.scale`` (docs/scale.md), kept in the JSON.
 
 On CUDA, times come from CUDA events around the work, after warm-up iterations;
 on the CPU from the wall clock. Each number is the median of the timed iterations.
@@ -129,8 +135,14 @@ def _compressor(model, rank: int, rounds: int):
     return compressor, order, monitor
 
 
-def local_work(model, rank, rounds, clock, warmup, iters) -> dict:
-    """Median ms of one worker's PowerSGD step on the model's current gradients."""
+def local_work(model, rank, rounds, clock, warmup, iters, graph=False) -> dict:
+    """Median ms of one worker's PowerSGD step on the model's current gradients.
+
+    `graph` (CUDA): the same step captured once as a CUDA graph and replayed (what
+    issue 57's item 3 would gain; the library does not capture graphs itself). The
+    compressor's Python state (step counters) advances only at the capture, which is
+    what a replayed step of fixed shapes does too.
+    """
     compressor, order, monitor = _compressor(model, rank, rounds)
     grads = {
         n: p.grad.detach().float().clone()
@@ -170,6 +182,8 @@ def local_work(model, rank, rounds, clock, warmup, iters) -> dict:
             monitor.end_step(1, True, dict)  # step 1: no periodic check, only the norms
             mark("statistics")
 
+    if graph:
+        return _graphed(one_step, clock, warmup, iters)
     totals, breakdown = [], {phase: [] for phase in phases}
     for i in range(warmup + iters):
         start = clock.mark()
@@ -201,6 +215,36 @@ def local_work(model, rank, rounds, clock, warmup, iters) -> dict:
     }
     result["with_statistics_ms"] = result["ms"] + result["phases_ms"]["statistics"]
     return result
+
+
+def _graphed(one_step, clock, warmup, iters) -> dict:
+    """Eager and CUDA-graph-replayed medians of `one_step(None)` (warm-up on a side stream)."""
+    eager = []
+    for i in range(warmup + iters):
+        start = clock.mark()
+        one_step(None)
+        end = clock.mark()
+        clock.wait()
+        if i >= warmup:
+            eager.append(clock.ms(start, end))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            one_step(None)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        one_step(None)
+    replayed = []
+    for i in range(warmup + iters):
+        start = clock.mark()
+        graph.replay()
+        end = clock.mark()
+        clock.wait()
+        if i >= warmup:
+            replayed.append(clock.ms(start, end))
+    return {"eager_ms": median(eager), "graph_ms": median(replayed)}
 
 
 # --- torch's powerSGD_hook on a 1-rank DDP ---------------------------------------------------
@@ -295,8 +339,6 @@ def run_local(args) -> dict:
                         )
                     except Exception:
                         entry["errors"][key] = traceback.format_exc()[-2000:]
-            del workload
-            gc.collect()
             with one_rank_process_group(device):
                 entry["ddp_ms"] = ddp_times(name, args.size, device, clock, warmup, iters)
                 entry["hook"] = {}
@@ -318,6 +360,8 @@ def run_local(args) -> dict:
                         except Exception:
                             entry["errors"][f"hook {key}"] = traceback.format_exc()[-2000:]
                         gc.collect()
+            del workload
+            gc.collect()
         except Exception:
             entry["errors"]["model"] = traceback.format_exc()[-3000:]
         entry["seconds"] = time.perf_counter() - started
@@ -326,6 +370,24 @@ def run_local(args) -> dict:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         _write(args.json, result)  # after each model: a later failure keeps this one
+    if cuda:  # last, every model: a capture that fails must not disturb the numbers above
+        for name in args.models.split(","):
+            entry = result["models"][name]
+            entry["graphed"] = {}
+            for rounds in (2, 1):
+                key = f"rank {ranks[0]}, rounds={rounds}"
+                try:
+                    workload = gpu_models.build(name, args.size, device)
+                    forward_backward(workload, device, "fp32", clock, 1, 1)  # its gradients
+                    entry["graphed"][key] = local_work(
+                        workload.model, ranks[0], rounds, clock, warmup, iters, graph=True
+                    )
+                except Exception:
+                    entry["errors"][f"graphed {key}"] = traceback.format_exc()[-2000:]
+                workload = None
+                gc.collect()
+                torch.cuda.empty_cache()
+            _write(args.json, result)
     return result
 
 
@@ -388,6 +450,70 @@ def run_e2e(args) -> dict:
     return result
 
 
+# The precision each model's profile is taken in: what a user of that model trains in.
+PROFILE_PRECISION = {"resnet50": "fp32", "gpt2": "bf16"}
+PROFILE_MAX_STEPS = 60  # auto writes its profile after its measuring steps (about 8)
+
+
+def run_profile(args) -> dict:
+    """rank="auto" on each model until it writes its profile; the profiles in the JSON."""
+    import horovod.torch as hvd
+
+    import horovod_powersgd as hps
+    from horovod_powersgd.tuner import PROFILE_VARIABLE
+
+    hvd.init()
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    if cuda:
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    clock = Clock(device)
+    result = {"ranks": hvd.size(), "device": str(device), "models": {}}
+    for name in args.models.split(","):
+        precision = PROFILE_PRECISION.get(name, "fp32")
+        entry = result["models"].setdefault(name, {"precision": precision})
+        path = os.path.join(tempfile.mkdtemp(), f"{name}-profile.json")
+        os.environ[PROFILE_VARIABLE] = path
+        try:
+            workload = gpu_models.build(name, args.size, device)
+            model = workload.model
+            sgd = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+            opt = hps.DistributedOptimizer(
+                sgd, named_parameters=model.named_parameters(), rank="auto"
+            )
+            batch = workload.batch(torch.Generator().manual_seed(0))
+            entry["description"] = workload.description
+            times = []
+            for _ in range(PROFILE_MAX_STEPS):
+                start = time.perf_counter()
+                opt.zero_grad()
+                with autocast(device, precision):
+                    loss = workload.loss(model, batch)
+                loss.backward()
+                opt.step()
+                clock.wait()
+                times.append((time.perf_counter() - start) * 1000.0)
+                if os.path.exists(path):
+                    break
+            entry["steps_ms"] = times
+            if os.path.exists(path):
+                with open(path) as f:
+                    entry["profile"] = json.load(f)
+            else:
+                entry["error"] = f"no profile written in {len(times)} steps"
+            del opt, sgd, model, workload
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        except Exception:
+            entry["error"] = traceback.format_exc()[-2000:]
+        finally:
+            os.environ.pop(PROFILE_VARIABLE, None)
+        if hvd.rank() == 0:
+            _write(args.json, result)
+    return result
+
+
 def _write(path, result) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -398,7 +524,7 @@ def _write(path, result) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in ("local", "e2e"):
+    for command in ("local", "e2e", "profile"):
         p = sub.add_parser(command)
         p.add_argument("--json", required=True)
         p.add_argument("--size", default="tiny", choices=["tiny", "full"])
@@ -406,7 +532,7 @@ def main(argv=None) -> None:
         p.add_argument("--models", default=",".join(MODELS))
         p.add_argument("--ranks", default="4,16,32" if command == "local" else "4")
     args = parser.parse_args(argv)
-    (run_local if args.command == "local" else run_e2e)(args)
+    {"local": run_local, "e2e": run_e2e, "profile": run_profile}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,10 @@ from conftest import ROOT, launch
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_check
 
+from horovod_powersgd import planner
+from horovod_powersgd.bench import scale
+from horovod_powersgd.collectives import parse_cluster
+
 KIT = ["bash", "scripts/gpu_check.sh", "--size", "tiny"]
 # What the device sends back: at most 8 files, named in letters, digits, '.', '_', '-'.
 RETURNED_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -70,6 +74,15 @@ def test_every_phase_runs_and_the_report_holds_real_numbers(full_cpu_run):
         steps = report["e2e"]["models"][name]["step_ms"]
         assert {"horovod", "powersgd rank 4, rounds=2", "powersgd rank 4, rounds=1"} <= set(steps)
         assert all(real(t) for times in steps.values() for t in times.values()), steps
+        # rank="auto"'s profile of the model, readable by the scale model (docs/scale.md)
+        got = report["profile"]["models"][name]
+        assert "error" not in got, got.get("error")
+        measured = planner.Measurements.from_dict(got["profile"])
+        assert real(measured.step_s) and measured.buckets, got["profile"]
+        cluster = parse_cluster("2x4,intra=100GB/2us,inter=1gbit/20us")
+        predicted = scale.predictions(measured, cluster)
+        assert real(predicted["horovod"]) and real(predicted["powersgd-auto"]), predicted
+    assert "profile: ok" in phases["e2e"]["note"], phases["e2e"]
 
 
 @pytest.mark.timeout(600)
