@@ -183,7 +183,7 @@ def local_work(model, rank, rounds, clock, warmup, iters, graph=False) -> dict:
             mark("statistics")
 
     if graph:
-        return _graphed(one_step, clock, warmup, iters)
+        return _graphed(one_step, clock, warmup, iters, list(compressor._generators.values()))
     totals, breakdown = [], {phase: [] for phase in phases}
     for i in range(warmup + iters):
         start = clock.mark()
@@ -217,8 +217,12 @@ def local_work(model, rank, rounds, clock, warmup, iters, graph=False) -> dict:
     return result
 
 
-def _graphed(one_step, clock, warmup, iters) -> dict:
-    """Eager and CUDA-graph-replayed medians of `one_step(None)` (warm-up on a side stream)."""
+def _graphed(one_step, clock, warmup, iters, generators) -> dict:
+    """Eager and CUDA-graph-replayed medians of `one_step(None)` (warm-up on a side stream).
+
+    The compressor's generators (its random draws) are registered with the graph:
+    a CUDA generator of one's own may not advance in a capture otherwise.
+    """
     eager = []
     for i in range(warmup + iters):
         start = clock.mark()
@@ -234,6 +238,8 @@ def _graphed(one_step, clock, warmup, iters) -> dict:
             one_step(None)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
+    for generator in generators:  # torch >= 2.5 (the device has 2.11)
+        graph.register_generator_state(generator)
     with torch.cuda.graph(graph):
         one_step(None)
     replayed = []
