@@ -95,8 +95,9 @@ class Measurements:
     step_s: float  # a whole plain step
     link: Link  # the link to plan for
     rounds: int = 2
-    # The step beyond the model's part (forward, the optimizer, the data), from the
-    # plain step on the link it was measured on (None: on `link`).
+    # The step beyond the model's part (forward, the optimizer, the data): rank="auto"
+    # measures it (the plain step less its first gradient to its last arrival). None:
+    # the plain step less the modelled plain timeline on `link` (a synthetic profile).
     rest_s: float | None = None
 
     def __post_init__(self):
@@ -194,8 +195,8 @@ def _timeline(m: Measurements, plan: Sequence[int]) -> float:
 
 
 def predict(m: Measurements, plan: Sequence[int]) -> float:
-    """The expected step time of `plan`, in seconds (on the link measured: the plain
-    plan's is the measured one)."""
+    """The expected step time of `plan`, in seconds: the measured rest of the step, and
+    the modelled timeline from the first gradient to the last arrival."""
     return m.rest_s + _timeline(m, plan)
 
 

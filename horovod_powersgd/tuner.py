@@ -202,6 +202,7 @@ class Tuner:
         self._step_start = self._last_end = None
         self._recorder: _Recorder | None = None
         self._clean_s: list[float] = []
+        self._span_s: list[float] = []  # clean steps: first hook to the last bucket's arrival
         self._ready: list[dict[str, float]] = []
         self._timed: list[tuple[str, int, float]] = []
         self._probe: dict[int, dict[int, list[float]]] = {}
@@ -227,6 +228,7 @@ class Tuner:
             opt._reducer.comm = self.comm
             if index in CLEAN:
                 self._clean_s.append(seconds if seconds is not None else math.nan)
+                self._span_s.append(now - self._step_start)
                 self._ready.append(dict(self._recorder.launched))
             else:
                 self._timed.extend(self._recorder.samples)
@@ -285,12 +287,14 @@ class Tuner:
         probes = [self._probe.get(r, {}).get(i, []) for r, i in options]
         compress = [min((c for c, _ in p), default=math.nan) for p in probes]
         total = [min((t for _, t in p), default=math.nan) for p in probes]
-        local = [statistics.median(self._clean_s), *ready, *timed, *compress, *total]
+        spans = [statistics.median(self._clean_s), statistics.median(self._span_s)]
+        local = [*spans, *ready, *timed, *compress, *total]
         mean = self.comm.allreduce_sum(torch.tensor(local, dtype=torch.float64), "auto.m")
         mean = (mean / self.comm.size).tolist()
-        step_s, ready = mean[0], mean[1 : 1 + len(buckets)]
-        timed = mean[1 + len(buckets) : 1 + len(buckets) + len(self._timed)]
-        rest = mean[1 + len(buckets) + len(self._timed) :]
+        (step_s, span_s), mean = mean[:2], mean[2:]
+        ready = mean[: len(buckets)]
+        timed = mean[len(buckets) : len(buckets) + len(self._timed)]
+        rest = mean[len(buckets) + len(self._timed) :]
         compress, total = rest[: len(options)], rest[len(options) :]
         samples = [(nbytes, s) for (_, nbytes, _), s in zip(self._timed, timed)]
         link = planner.Link.fit(samples)
@@ -303,7 +307,14 @@ class Tuner:
                     found[rank] = planner.Option(compress[k], total[k], *sizes[bucket.index][rank])
             out.append(planner.Bucket(ready[j], _plain_bytes(opt, bucket), found))
         backward = max(ready) if ready else 0.0
-        measured = planner.Measurements(tuple(out), backward, step_s, link, self.config.rounds)
+        # The step beyond the model's part, as measured: the plain step less the span from
+        # its first gradient to its last bucket's arrival. Not the step less the modelled
+        # timeline: what the fitted link misses of the real one would land in it, and be
+        # charged to every plan on every other link (docs/scale.md, two nodes).
+        rest_s = max(step_s - span_s, 0.0) if span_s == span_s else None
+        measured = planner.Measurements(
+            tuple(out), backward, step_s, link, self.config.rounds, rest_s
+        )
         return measured if self.pinned is None else measured.with_link(self.pinned)
 
     def _plan(self, opt) -> None:
