@@ -133,7 +133,9 @@ def table(m: planner.Measurements, cluster, workers, bandwidths, algorithm="nccl
 
 
 def markdown(rows: list[dict]) -> str:
-    configs = list(rows[0]["step_ms"]) if rows else []
+    # Every row's configurations, in first-seen order: one node's rows have no
+    # hierarchical columns, several nodes' do.
+    configs = list(dict.fromkeys(c for row in rows for c in row["step_ms"]))
     lines = [
         "| workers | nodes | inter-node | " + " | ".join(configs) + " |",
         "| --- | --- | --- | " + " | ".join("---" for _ in configs) + " |",
@@ -142,6 +144,8 @@ def markdown(rows: list[dict]) -> str:
         cells = [
             f"{row['step_ms'][c]:.1f} ms ({row['speedup'][c]:.2f}x)"
             + ("*" if c == row["fastest"] else "")
+            if c in row["step_ms"]
+            else "-"
             for c in configs
         ]
         lines.append(

@@ -132,6 +132,16 @@ def test_the_cli_finds_powersgd_pays_on_slow_links_only(tmp_path, capsys):
     slow = [r for r in rows if r["bandwidth"] == "100mbit"]
     # More workers, more latency steps and more of the bytes on each link: plain slows down.
     assert [r["step_ms"]["horovod"] for r in slow] == sorted(r["step_ms"]["horovod"] for r in slow)
+    # The printed table has every row's columns (one node's rows have no hierarchical
+    # PowerSGD; several nodes' do) and marks each row's fastest, whichever column it is in.
+    table = scale.markdown(rows).splitlines()
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    assert "powersgd-hier-r2" in header
+    for row, line in zip(rows, table[2:]):
+        cells = dict(zip(header, (c.strip() for c in line.strip("|").split("|"))))
+        assert cells[row["fastest"]].endswith("*"), (row, line)
+        assert sum(c.endswith("*") for c in cells.values()) == 1
+        assert (cells["powersgd-hier-r2"] == "-") == (row["nodes"] == 1)
 
 
 def test_hierarchical_powersgd_step_worked_by_hand():
