@@ -182,16 +182,14 @@ def local_work(model, rank, rounds, clock, warmup, iters, graph=False) -> dict:
             monitor.end_step(1, True, dict)  # step 1: no periodic check, only the norms
             mark("statistics")
 
+    totals = _medians_of(lambda: one_step(None), clock, warmup, iters)
     if graph:
-        return _graphed(one_step, clock, warmup, iters, list(compressor._generators.values()))
-    totals, breakdown = [], {phase: [] for phase in phases}
-    for i in range(warmup + iters):
-        start = clock.mark()
-        one_step(None)
-        end = clock.mark()
-        clock.wait()
-        if i >= warmup:
-            totals.append(clock.ms(start, end))
+        generators = list(compressor._generators.values())
+        return {
+            "eager_ms": totals,
+            "graph_ms": _graphed(one_step, clock, warmup, iters, generators),
+        }
+    breakdown = {phase: [] for phase in phases}
     # A second pass with a mark between phases (the marks themselves cost a little,
     # so the total above comes from a pass without them).
     for i in range(warmup + iters):
@@ -206,7 +204,7 @@ def local_work(model, rank, rounds, clock, warmup, iters, graph=False) -> dict:
                 breakdown[phase].append(spent[phase])
     p, q = compressor.elements_per_step()
     result = {
-        "ms": median(totals),
+        "ms": totals,
         "phases_ms": {phase: median(v) for phase, v in breakdown.items()},
         "compressed_tensors": len(grads),
         "elements_compressed": sum(g.numel() for g in grads.values()),
@@ -217,20 +215,26 @@ def local_work(model, rank, rounds, clock, warmup, iters, graph=False) -> dict:
     return result
 
 
-def _graphed(one_step, clock, warmup, iters, generators) -> dict:
-    """Eager and CUDA-graph-replayed medians of `one_step(None)` (warm-up on a side stream).
+def _medians_of(run, clock, warmup, iters) -> float:
+    """Median ms of `run()` on the device's timeline, after `warmup` untimed calls."""
+    times = []
+    for i in range(warmup + iters):
+        start = clock.mark()
+        run()
+        end = clock.mark()
+        clock.wait()
+        if i >= warmup:
+            times.append(clock.ms(start, end))
+    return median(times)
+
+
+def _graphed(one_step, clock, warmup, iters, generators) -> float:
+    """Median ms of `one_step(None)` captured once as a CUDA graph and replayed (warm-up on a
+    side stream).
 
     The compressor's generators (its random draws) are registered with the graph:
     a CUDA generator of one's own may not advance in a capture otherwise.
     """
-    eager = []
-    for i in range(warmup + iters):
-        start = clock.mark()
-        one_step(None)
-        end = clock.mark()
-        clock.wait()
-        if i >= warmup:
-            eager.append(clock.ms(start, end))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -242,15 +246,7 @@ def _graphed(one_step, clock, warmup, iters, generators) -> dict:
         graph.register_generator_state(generator)
     with torch.cuda.graph(graph):
         one_step(None)
-    replayed = []
-    for i in range(warmup + iters):
-        start = clock.mark()
-        graph.replay()
-        end = clock.mark()
-        clock.wait()
-        if i >= warmup:
-            replayed.append(clock.ms(start, end))
-    return {"eager_ms": median(eager), "graph_ms": median(replayed)}
+    return _medians_of(graph.replay, clock, warmup, iters)
 
 
 # --- torch's powerSGD_hook on a 1-rank DDP ---------------------------------------------------
@@ -398,16 +394,34 @@ def run_local(args) -> dict:
 
 
 # --- whole steps through Horovod ------------------------------------------------------------
-def run_e2e(args) -> dict:
-    import horovod.torch as hvd
-
-    import horovod_powersgd as hps
-
+def _horovod_device(hvd, args) -> tuple[torch.device, bool]:
+    """hvd.init(), and this rank's device: its GPU (local rank) if any, else the CPU."""
     hvd.init()
     cuda = torch.cuda.is_available() and args.device != "cpu"
     if cuda:
         torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return device, cuda
+
+
+def _timed_step(opt, workload, model, batch, device, precision, clock) -> float:
+    """One training step through `opt`, waited for; its wall-clock ms."""
+    start = time.perf_counter()
+    opt.zero_grad()
+    with autocast(device, precision):
+        loss = workload.loss(model, batch)
+    loss.backward()
+    opt.step()
+    clock.wait()
+    return (time.perf_counter() - start) * 1000.0
+
+
+def run_e2e(args) -> dict:
+    import horovod.torch as hvd
+
+    import horovod_powersgd as hps
+
+    device, cuda = _horovod_device(hvd, args)
     clock = Clock(device)
     warmup, iters = ITERATIONS[args.size]
     ranks = [int(r) for r in args.ranks.split(",")]
@@ -435,15 +449,9 @@ def run_e2e(args) -> dict:
                 for precision in PRECISIONS:
                     times = []
                     for i in range(warmup + iters):
-                        start = time.perf_counter()
-                        opt.zero_grad()
-                        with autocast(device, precision):
-                            loss = workload.loss(model, batch)
-                        loss.backward()
-                        opt.step()
-                        clock.wait()
+                        ms = _timed_step(opt, workload, model, batch, device, precision, clock)
                         if i >= warmup:
-                            times.append((time.perf_counter() - start) * 1000.0)
+                            times.append(ms)
                     entry["step_ms"][label][precision] = median(times)
                 del opt, sgd, model, workload
                 gc.collect()
@@ -468,11 +476,7 @@ def run_profile(args) -> dict:
     import horovod_powersgd as hps
     from horovod_powersgd.tuner import PROFILE_VARIABLE
 
-    hvd.init()
-    cuda = torch.cuda.is_available() and args.device != "cpu"
-    if cuda:
-        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device, cuda = _horovod_device(hvd, args)
     clock = Clock(device)
     result = {"ranks": hvd.size(), "device": str(device), "models": {}}
     for name in args.models.split(","):
@@ -491,14 +495,7 @@ def run_profile(args) -> dict:
             entry["description"] = workload.description
             times = []
             for _ in range(PROFILE_MAX_STEPS):
-                start = time.perf_counter()
-                opt.zero_grad()
-                with autocast(device, precision):
-                    loss = workload.loss(model, batch)
-                loss.backward()
-                opt.step()
-                clock.wait()
-                times.append((time.perf_counter() - start) * 1000.0)
+                times.append(_timed_step(opt, workload, model, batch, device, precision, clock))
                 if os.path.exists(path):
                     break
             entry["steps_ms"] = times
