@@ -109,7 +109,9 @@ class Reducer:
             b.names = [self.names[p] for p in b.compressed]
             b.dense = [p for p in b.params if p not in self.skip]
             b.uncompressed = [p for p in b.dense if p not in self._compressed]
-            b.plain = self.compressor.ranks[b.index] == 0
+            # Hierarchical: a bucket none of whose tensors are this worker's share has
+            # no rank here (its compressor holds only the share's buckets).
+            b.plain = self.compressor.ranks.get(b.index) == 0
         self.sending = [b for b in self.buckets if b.dense]  # buckets with a collective
 
     def begin(self, done: int) -> None:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import horovod_powersgd as hps
+from horovod_powersgd import reducer
 
 
 def model_of(seed=0):
@@ -96,7 +97,10 @@ def main():
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--static", action="store_true", help="hvd.init() without dynamic sets")
     parser.add_argument("--process-set", action="store_true", help="a process set of all ranks")
+    parser.add_argument("--bucket-bytes", type=int, default=None, help="1: a bucket per tensor")
     args = parser.parse_args()
+    if args.bucket_bytes is not None:
+        reducer.BUCKET_BYTES = args.bucket_bytes
     args.setting = {"True": True, "False": False}.get(args.setting, args.setting)
     if args.static:
         hvd.init()
