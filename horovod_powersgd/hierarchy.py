@@ -299,12 +299,7 @@ class HierarchicalReducer(Reducer):
             if bucket.stage == 1:  # scattered: this worker's (1, longest) row
                 self._compress_share(bucket, [t.view(-1) for t in result])
             elif bucket.stage == 2 and self.two_rounds and bucket.factor_count:
-                bucket.received = result[bucket.factor_count :]
-                q_buffers = self.compressor.project(result[: bucket.factor_count], bucket.index)
-                bucket.handles.append(
-                    self.hierarchy.cross.allreduce_async(q_buffers, f"b{bucket.index}.r2")
-                )
-                self.compressor.update_error(bucket.index)
+                self._send_q(bucket, result, self.hierarchy.cross)
                 bucket.stage = 3
             elif bucket.stage in (2, 3):
                 if bucket.stage == 2:  # one round: the factors lead, the uncompressed follow

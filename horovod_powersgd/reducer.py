@@ -182,11 +182,15 @@ class Reducer:
 
     def _second_round(self, bucket: Bucket) -> None:
         """rounds=2: P is back; orthogonalise it and send Q (the error update overlaps)."""
-        outputs = self.comm.wait(bucket.handles[0])
+        self._send_q(bucket, self.comm.wait(bucket.handles[0]), self.comm)
+
+    def _send_q(self, bucket: Bucket, outputs, comm) -> None:
+        """`outputs`: the bucket's summed P factors, then its uncompressed tensors. Send
+        Q on `comm` (hierarchical PowerSGD: across the nodes), then update the error."""
         # The uncompressed results go into p.grad in finish(), as Horovod's do.
         bucket.received = outputs[bucket.factor_count :]
         q_buffers = self.compressor.project(outputs[: bucket.factor_count], bucket.index)
-        bucket.handles.append(self.comm.allreduce_async(q_buffers, f"b{bucket.index}.r2"))
+        bucket.handles.append(comm.allreduce_async(q_buffers, f"b{bucket.index}.r2"))
         self.compressor.update_error(bucket.index)
 
     def _receive_uncompressed(self, bucket: Bucket, outputs) -> None:
