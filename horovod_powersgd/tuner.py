@@ -6,8 +6,9 @@ optimizer steps). `FixedRanks` is the same interface for a fixed rank, and
 does nothing. The choices themselves are planner.py's. A job's life under auto,
 counted in steps from the start (every rank does the same at the same step):
 
-    measure   MEASURE_STEPS plain steps (the warm-up; `start_iter`, if longer,
-              stays plain to its end): step 0 settles in; CLEAN steps time the
+    measure   MEASURE_STEPS plain steps (the warm-up; with a longer `start_iter`,
+              its last MEASURE_STEPS steps: the job's first steps run slower than
+              its later ones, docs/scale.md): step 0 settles in; CLEAN steps time the
               step and when each bucket's gradients are final; TIMED steps wait
               for each bucket's all-reduce at once and time it (the link); PROBE
               steps run PowerSGD's local work on this step's gradients at every
@@ -123,14 +124,32 @@ def pinned_link(config: PowerSGDConfig) -> planner.Link | None:
     return planner.Link(latency_s=latency_s, bytes_per_s=bytes_per_s)
 
 
+def _device(opt) -> torch.device:
+    """Where the optimizer's parameters are (the CPU for none)."""
+    return opt._params[0].device if opt._params else torch.device("cpu")
+
+
 def _synchronize(device: torch.device) -> None:
-    """Wait for the device (probe timings only; never in a step's own work)."""
+    """Wait for the device (auto's measuring steps only: probes, and on CUDA the end of
+    each clean step; never in the work of a step after them)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
+def _device_event():
+    """A timing event on the current CUDA stream, recorded now."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 class _Recorder:
     """The optimizer's `Comm` during a measure step: notes when each bucket leaves.
+
+    On CUDA a gradient hook runs when its kernels are queued, not when they are done
+    (the host runs ahead of the device), so the host's clock would put every bucket
+    at the start of backward: `event` (a CUDA event factory there, else None) marks
+    each launch on the device's stream too, and `on_device` reads the device's times.
 
     `timed`: also time each bucket's all-reduce alone (the link). Those are
     launched and waited for in `wait`, which `Reducer.finish` calls in bucket
@@ -140,16 +159,29 @@ class _Recorder:
     another bucket, for ever.
     """
 
-    def __init__(self, comm, start: float, timed: bool):
-        self.comm, self.start, self.timed = comm, start, timed
+    def __init__(self, comm, start: float, timed: bool, event=None):
+        self.comm, self.start, self.timed, self.event = comm, start, timed, event
         self.launched: dict[str, float] = {}  # collective name -> seconds after start
         self.samples: list[tuple[str, int, float]] = []  # (name, bytes, seconds)
+        self._origin = None if event is None else event()  # the step's first hook
+        self._events = {}
 
     def __getattr__(self, name):
         return getattr(self.comm, name)
 
+    def on_device(self, synchronize) -> tuple[dict[str, float], float]:
+        """(each launch, the step's end: now) in seconds after the first hook, on the
+        device's clock: its work queued up to each launch, done. Waits for the device
+        (`synchronize`): a measuring step's, once."""
+        end = self.event()
+        synchronize()
+        seconds = {n: self._origin.elapsed_time(e) / 1e3 for n, e in self._events.items()}
+        return seconds, self._origin.elapsed_time(end) / 1e3
+
     def allreduce_async(self, tensors, name):
         self.launched[name] = time.perf_counter() - self.start
+        if self.event is not None:
+            self._events[name] = self.event()
         if not self.timed:
             return self.comm.allreduce_async(tensors, name)
         return _Deferred(tensors, name)
@@ -186,8 +218,9 @@ class Tuner:
         self.config, self.comm = config, comm
         self.ladder = config.ladder()
         self.pinned = pinned_link(config)
-        self.origin = 0  # the step the measure phase began at
-        self.start = max(config.start_iter, MEASURE_STEPS)  # the first compressed step
+        # The step the measure phase begins at: the last MEASURE_STEPS of the plain steps.
+        self.origin = max(config.start_iter - MEASURE_STEPS, 0)
+        self.start = self.origin + MEASURE_STEPS  # the first compressed step
         self.phase = "measure"
         self.measurements: planner.Measurements | None = None
         self.candidates: list[list[int]] = []
@@ -214,7 +247,10 @@ class Tuner:
         self._step_start = time.perf_counter()
         index = opt.powersgd_step - self.origin
         if self.phase == "measure" and (index in CLEAN or index in TIMED):
-            self._recorder = _Recorder(self.comm, self._step_start, timed=index in TIMED)
+            # On CUDA the clean steps' times are the device's (see _Recorder).
+            cuda = index in CLEAN and _device(opt).type == "cuda"
+            event = _device_event if cuda else None
+            self._recorder = _Recorder(self.comm, self._step_start, index in TIMED, event)
             opt._reducer.comm = self._recorder
 
     def end_step(self, opt) -> None:
@@ -227,9 +263,12 @@ class Tuner:
         if self._recorder is not None:
             opt._reducer.comm = self.comm
             if index in CLEAN:
+                launched, span = dict(self._recorder.launched), now - self._step_start
+                if self._recorder.event is not None:
+                    launched, span = self._recorder.on_device(lambda: _synchronize(_device(opt)))
                 self._clean_s.append(seconds if seconds is not None else math.nan)
-                self._span_s.append(now - self._step_start)
-                self._ready.append(dict(self._recorder.launched))
+                self._span_s.append(span)
+                self._ready.append(launched)
             else:
                 self._timed.extend(self._recorder.samples)
             self._recorder = None
@@ -262,7 +301,7 @@ class Tuner:
         bucket_of = {opt._names[p]: b.index for b in opt._reducer.buckets for p in b.params}
         grads = {opt._names[p]: p.grad for p in params}
         scratch = {name: torch.empty_like(g) for name, g in grads.items()}
-        device = params[0].device if params else torch.device("cpu")
+        device = _device(opt)
         for rank in self.ladder:
             probe = PowerSGDCompressor(
                 named, dataclasses.replace(self.config, rank=rank), bucket_of
@@ -482,8 +521,9 @@ class Tuner:
         again from this step."""
         self._reset_samples()
         if not state or state.get("phase") != "settled" or not state.get("measurements"):
-            self.phase, self.origin = "measure", opt.powersgd_step
-            self.start = max(self.config.start_iter, opt.powersgd_step + MEASURE_STEPS)
+            self.phase = "measure"
+            self.origin = max(opt.powersgd_step, self.config.start_iter - MEASURE_STEPS)
+            self.start = self.origin + MEASURE_STEPS
             return
         self.phase, self.start = "settled", state["start"]
         self.expected_s, self.changes = state["expected_s"], state["changes"]

@@ -75,7 +75,7 @@ def measure(hvd, args, config: str, rank: int | None) -> dict:
         opt = hps.DistributedOptimizer(
             opt, named_parameters=model.named_parameters(),
             rank="auto" if config == "powersgd-auto" else rank,
-            hierarchical=config == "powersgd-hier",
+            hierarchical=config == "powersgd-hier", start_iter=args.start_iter,
         )  # fmt: skip
         timed(opt.compressor, spent)
     batch = make_batch(args.batch_size, torch.Generator().manual_seed(1000 + hvd.rank()))
@@ -118,6 +118,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument(
+        "--start-iter",
+        type=int,
+        default=0,
+        help="plain steps first (powersgd-auto measures the last 8 of them)",
+    )
+    p.add_argument(
         "--horovod-hierarchical",
         action="store_true",
         help="HOROVOD_HIERARCHICAL_ALLREDUCE=1 (Horovod's own, for every config)",
@@ -132,7 +138,7 @@ def main() -> None:
         "--profile",
         default=None,
         help="HOROVOD_POWERSGD_PROFILE: powersgd-auto writes its measurements here "
-        "(bench.scale's profile; --warmup 12 lets it measure)",
+        "(bench.scale's profile; --warmup 12 lets it measure, or past --start-iter)",
     )
     args = p.parse_args()
     os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"

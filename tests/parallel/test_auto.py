@@ -285,3 +285,68 @@ def test_the_profiles_rest_is_the_step_beyond_its_communication(monkeypatch):
     # The forward's sleep is in the rest; the hidden waits are not (with slack for the
     # optimizer and the backward before the first gradient on 2 shared cores).
     assert forward_s * 0.9 < measured.rest_s < forward_s + hidden / 2, (measured, hidden)
+
+
+def test_a_long_start_iter_is_measured_at_its_end_not_its_cold_first_steps():
+    # A job's first steps run slower than its later ones (allocators, caches, the link's
+    # first use): measured there, the profile and the plan would be those of a slower job
+    # (docs/scale.md, 1 Gbit/s loopback: 1.68 s first steps against 1.24 s settled). With
+    # start_iter beyond the measure phase, auto measures the last plain steps before it.
+    start_iter, cold_s, warm_s, cold_steps = 14, 0.25, 0.01, 4
+    steps = []
+    model = make_model()
+    model.register_forward_pre_hook(
+        lambda module, args: time.sleep(cold_s if len(steps) <= cold_steps else warm_s)
+    )
+    opt = auto(model, start_iter=start_iter)
+    for step in range(start_iter):
+        steps.append(step)
+        assert opt._tuner.measurements is None, f"measured before step {step}"
+        train(model, opt, 1, first_step=step)
+    measured = opt._tuner.measurements
+    assert measured is not None  # measured by the end of the plain steps
+    # The clean steps are all warm: a step of the warm forward plus a small model's step,
+    # far under one cold forward.
+    assert measured.step_s < cold_s / 2, measured
+
+
+def test_on_cuda_the_profile_times_the_device_not_the_host(monkeypatch):
+    # On CUDA a gradient hook runs when its kernels are queued: by the host's clock every
+    # bucket would be ready at the start of backward (the H200 profile: backward 10 ms of
+    # a 32 ms forward and backward). The clean steps take the device's times from events.
+    # Here the "device" runs LAG seconds behind the host at every launch and at the end
+    # (the host waits for it there: its forward of FORWARD seconds lets it run ahead).
+    lag, forward_s = 0.2, 0.3
+    first_hook = []  # set at each step's first hook: its event is on time, the rest late
+    begin_step = tuner_module.Tuner.begin_step
+
+    def marked_begin(self, opt):
+        first_hook.append(True)
+        begin_step(self, opt)
+        first_hook.clear()
+
+    class Event:
+        def __init__(self):
+            self.at = time.perf_counter() + (0.0 if first_hook else lag)
+
+        def elapsed_time(self, other):  # milliseconds, as torch.cuda.Event's
+            return (other.at - self.at) * 1e3
+
+    synced = []
+    monkeypatch.setattr(tuner_module.Tuner, "begin_step", marked_begin)
+    monkeypatch.setattr(tuner_module, "_device", lambda opt: torch.device("cuda"))
+    monkeypatch.setattr(tuner_module, "_device_event", Event)
+    monkeypatch.setattr(tuner_module, "_synchronize", lambda device: synced.append(device))
+    model = make_model()
+    model.register_forward_pre_hook(lambda module, args: time.sleep(forward_s))
+    opt = auto(model)
+    train(model, opt, tuner_module.MEASURE_STEPS)
+    measured = opt._tuner.measurements
+    # Every bucket is ready LAG after the first hook on the device's clock (the host saw
+    # them within milliseconds of it), and the step's span on the device is as long, so
+    # the rest of the step (the step less that span) is the forward less LAG, not the
+    # whole forward as the host's clock has it.
+    assert all(lag <= b.ready_s < lag + 0.1 for b in measured.buckets), measured.buckets
+    assert lag <= measured.backward_s < lag + 0.1
+    assert forward_s - lag - 0.02 < measured.rest_s < forward_s - lag + 0.06, measured
+    assert synced, "the device's times are read after waiting for it"

@@ -185,28 +185,20 @@ def test_a_bucket_planned_plain_travels_as_horovod_sends_it_under_a_float16_wire
 
 
 def test_the_plan_reports_plain_until_start_iter_and_the_settled_plan_is_logged_taken(caplog):
+    # auto measures the last MEASURE_STEPS plain steps before start_iter (a job's first
+    # steps are slower than its later ones): no plan before them, every row plain; the
+    # plan is taken as start_iter begins.
     model = Branchy()
     opt = auto(model, auto_link="20mbit", start_iter=12)
     with caplog.at_level("INFO", logger="horovod_powersgd"):
-        train(model, opt, steps=tuner_module.MEASURE_STEPS + 1)
-        assert any(plan_of(opt)), "a 20 Mbit/s link compresses"
+        train(model, opt, steps=11)
+        assert opt._tuner.measurements is None and not any(plan_of(opt))
         rows = opt.compression_stats()["plan"]
         assert all(row["method"] == "plain" and row["rank"] == 0 for row in rows)
-        train(model, opt, steps=12 - opt.powersgd_step, first_step=opt.powersgd_step)
+        train(model, opt, steps=1, first_step=11)
+        assert any(plan_of(opt)), "a 20 Mbit/s link compresses"
         rows = opt.compression_stats()["plan"]
         assert any(row["method"] == "powersgd" for row in rows)
     lines = [r.getMessage() for r in caplog.records if "auto plan" in r.getMessage()]
     if hvd.rank() == 0:
-        assert len(lines) == 1 and "from step 12" in lines[0], lines
-
-    # A measured link: the candidates are tried, and the plan settled on is logged as taken.
-    caplog.clear()
-    model = Branchy()
-    opt = auto(model)
-    with caplog.at_level("INFO", logger="horovod_powersgd"):
-        train(model, opt, steps=SETTLED + 1)
-    assert opt._tuner.phase == "settled"
-    lines = [r.getMessage() for r in caplog.records if "auto plan" in r.getMessage()]
-    if hvd.rank() == 0:
-        assert lines and "(taken)" in lines[-1], lines
-        assert all("(trying)" in line for line in lines[:-1]), lines
+        assert len(lines) == 1 and "at step 12 (taken)" in lines[0], lines
