@@ -18,6 +18,16 @@ import torch
 os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
 hvd.init()
 torch.manual_seed(1234 + hvd.rank())
+# Each rank's tmp_path under a root of its own: ranks sharing pytest's default root
+# remove each other's old numbered directories while listing them, and the listing's
+# unclosed iterator is a ResourceWarning in pytest's own code, an error here
+# (filterwarnings; it failed a CI run after every test had passed).
+TEMP_ROOT = tempfile.mkdtemp(prefix=f"hps-pytest-rank{hvd.rank()}-")
+os.environ["PYTEST_DEBUG_TEMPROOT"] = TEMP_ROOT
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(TEMP_ROOT, ignore_errors=True)
 
 
 def pytest_configure(config):
