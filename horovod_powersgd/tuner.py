@@ -486,9 +486,8 @@ class Tuner:
             return
         step = opt.powersgd_step
         logger.info(
-            "PowerSGD auto plan at step %d (%s): %s%s; expected %.1f ms a step, plain %.1f ms",
+            "PowerSGD auto plan at step %d (%s): %s; expected %.1f ms a step, plain %.1f ms",
             step, "trying" if self.phase == "try" else "taken", _describe(plan),
-            f" from step {self.start} (start_iter)" if self.start > step else "",
             1e3 * planner.predict(self.measurements, plan),
             1e3 * planner.predict(self.measurements, planner.uniform(self.measurements, 0)),
         )  # fmt: skip
