@@ -237,6 +237,12 @@ class HierarchicalReducer(Reducer):
 
     def refresh(self) -> None:
         super().refresh()
+        self._layout()
+
+    def _layout(self) -> None:
+        """Each bucket's packs, scattered or reduced whole: scattered only where it sends
+        fewer bytes (a tie, one tensor's bucket at L = 2, goes to the all-reduces,
+        the collective every library tunes most: measured, docs/hierarchical.md)."""
         me, size = self.hierarchy.local_rank, self.hierarchy.local_size
         for b in self.buckets:
             by_dtype = {}
@@ -244,7 +250,7 @@ class HierarchicalReducer(Reducer):
                 by_dtype.setdefault(p.dtype, []).append(p)
             b.packs = [_Pack(ps, self.owner, self.names, size, me) for ps in by_dtype.values()]
             work = [pack.padded_work() for pack in b.packs]
-            b.scattered = sum(w[0] for w in work) <= sum(w[1] for w in work)
+            b.scattered = sum(w[0] for w in work) < sum(w[1] for w in work)
             for pack in b.packs:
                 pack.build(b.scattered)
             b.shared_plain = [p for p in b.dense if self.owner[self.names[p]] == me]
