@@ -163,13 +163,14 @@ class ShareLink:
     """
 
     cluster: Cluster
+    split: bool = True  # False: `nbytes` is one share's (a share of nothing sends nothing)
 
     def seconds(self, nbytes: float) -> float:
         c = self.cluster
-        if c.nodes <= 1:
+        if c.nodes <= 1 or (not self.split and not nbytes):
             return 0.0
         hop = c.inter.scaled(c.nics / c.per_node)
-        share = nbytes / c.per_node
+        share = nbytes / c.per_node if self.split else nbytes
         return min(collective_s(k, share, c.nodes, hop) for k in ("ring", "tree"))
 
 

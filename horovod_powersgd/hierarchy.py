@@ -30,6 +30,7 @@ import warnings
 import torch
 
 from . import comm as hvd_comm
+from . import shares
 from .compressor import PowerSGDCompressor
 from .config import COMM_DTYPES
 from .reducer import Bucket, Reducer
@@ -80,18 +81,10 @@ class Hierarchy:
         return self.peers[self.local_rank][self.node_of[root_rank]]
 
     def owners(self, buckets: list[Bucket], names: dict) -> dict[str, int]:
-        """name -> the local rank whose share it is: per bucket, largest first to the
-        least loaded (ties: the least loaded over the buckets before, then the lowest)."""
-        total = [0] * self.local_size
-        owner = {}
-        for bucket in buckets:
-            load = [0] * self.local_size
-            for p in sorted(bucket.params, key=lambda p: -p.numel()):  # stable: ties keep order
-                j = min(range(self.local_size), key=lambda j: (load[j], total[j], j))
-                owner[names[p]] = j
-                load[j] += p.numel()
-                total[j] += p.numel()
-        return owner
+        """name -> the local rank whose share it is (`shares.owners`: per bucket, largest
+        first to the least loaded)."""
+        split = shares.owners([[p.numel() for p in b.params] for b in buckets], self.local_size)
+        return {names[p]: j for b, owner in zip(buckets, split) for p, j in zip(b.params, owner)}
 
 
 def build(params, names: dict, buckets, config, comm, *, active: bool, elastic: bool):
@@ -183,13 +176,13 @@ class _Pack:
 
     def __init__(self, params: list, owner: dict, names: dict, local_size: int, me: int):
         self.params, self.local_size, self.me = params, local_size, me
+        self.sizes, self.owner = [p.numel() for p in params], [owner[names[p]] for p in params]
         offsets, flat = [0] * local_size, 0
         self.where = []  # per param: (owner, offset in its row, offset in the flat bucket, numel)
-        for p in params:
-            j = owner[names[p]]
-            self.where.append((j, offsets[j], flat, p.numel()))
-            offsets[j] += p.numel()
-            flat += p.numel()
+        for n, j in zip(self.sizes, self.owner):
+            self.where.append((j, offsets[j], flat, n))
+            offsets[j] += n
+            flat += n
         self.length, self.total = max(1, *offsets), max(1, flat)
         dtype = params[0].dtype
         self.dtype = dtype if dtype in COMM_DTYPES else torch.float32
@@ -197,9 +190,7 @@ class _Pack:
 
     def padded_work(self) -> tuple[int, int]:
         """(elements a worker sends scattered, ... reduced whole), per node stage, times L."""
-        return self.local_size * (self.local_size - 1) * self.length, 2 * (
-            self.local_size - 1
-        ) * self.total
+        return shares.padded_work(self.sizes, self.owner, self.local_size)
 
     def build(self, scattered: bool) -> None:
         self.scattered = scattered
@@ -240,17 +231,14 @@ class HierarchicalReducer(Reducer):
         self._layout()
 
     def _layout(self) -> None:
-        """Each bucket's packs, scattered or reduced whole: scattered only where it sends
-        fewer bytes (a tie, one tensor's bucket at L = 2, goes to the all-reduces,
-        the collective every library tunes most: measured, docs/hierarchical.md)."""
+        """Each bucket's packs, scattered or reduced whole (`shares.scatters`)."""
         me, size = self.hierarchy.local_rank, self.hierarchy.local_size
         for b in self.buckets:
             by_dtype = {}
             for p in b.dense:
                 by_dtype.setdefault(p.dtype, []).append(p)
             b.packs = [_Pack(ps, self.owner, self.names, size, me) for ps in by_dtype.values()]
-            work = [pack.padded_work() for pack in b.packs]
-            b.scattered = sum(w[0] for w in work) < sum(w[1] for w in work)
+            b.scattered = shares.scatters([(k.sizes, k.owner) for k in b.packs], size)
             for pack in b.packs:
                 pack.build(b.scattered)
             b.shared_plain = [p for p in b.dense if self.owner[self.names[p]] == me]

@@ -15,6 +15,10 @@ The model of one step, from what was measured in this job:
   all-reduce at a time, each taking `latency_s + bytes / bytes_per_s`
   (measured from this job's own all-reduces of its buckets); with rounds=2 the
   Q round follows the P round and its projection;
+* hierarchical PowerSGD (bench/scale.py) puts its node's collectives on the
+  same link, one before a bucket's local work and one after its rounds: a
+  worker's collectives run one at a time (Horovod's background thread on the
+  CPU, its one NCCL stream on a GPU);
 * the step ends when backward (plus the local work) and the link are both
   done; the rest of the step (forward, the optimizer) is what the measured
   plain step takes beyond the model's plain step.
@@ -75,6 +79,38 @@ class Option:
     work_s: float  # all of its local work in a step (compress included)
     round1_bytes: float  # rounds=2: P and the uncompressed tensors; rounds=1: all of it
     round2_bytes: float = 0.0  # rounds=2: Q
+    # Collectives on the same link before the local work, and after the rounds
+    # (hierarchical PowerSGD's node stages, bench/scale.py; none for flat PowerSGD).
+    before_s: float = 0.0
+    after_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One gradient of a bucket, for predicting how a node shares it (bench/scale.py)."""
+
+    numel: int
+    element_bytes: int  # of the gradient (what the node's collectives carry)
+    wire_bytes: float  # sent uncompressed: numel x the wire's element size
+    factors: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank -> (P, Q) bytes
+
+
+def message_bytes(tensors: Sequence[Tensor], rank: int, rounds: int) -> tuple[float, float]:
+    """(round-1, round-2) bytes of these tensors as PowerSGD at `rank`: with rounds=2, P
+    and the uncompressed tensors, then Q; with rounds=1, one factor (half of P and Q,
+    alternating) and the uncompressed tensors.
+
+    Example:
+        >>> t = [Tensor(600, 4, 2400.0, {2: (80.0, 40.0)}), Tensor(10, 4, 40.0)]
+        >>> message_bytes(t, 2, rounds=2), message_bytes(t, 2, rounds=1)
+        ((120.0, 40.0), (100.0, 0.0))
+    """
+    p_bytes = sum(t.factors[rank][0] for t in tensors if rank in t.factors)
+    q_bytes = sum(t.factors[rank][1] for t in tensors if rank in t.factors)
+    plain = sum(t.wire_bytes for t in tensors if rank not in t.factors)
+    if rounds == 2:
+        return p_bytes + plain, q_bytes
+    return (p_bytes + q_bytes) / 2 + plain, 0.0
 
 
 @dataclass(frozen=True)
@@ -84,6 +120,7 @@ class Bucket:
     ready_s: float
     plain_bytes: float
     options: dict[int, Option] = field(default_factory=dict)  # rank -> option
+    tensors: tuple[Tensor, ...] = ()  # in bucket order (a profile's; () where not known)
 
 
 @dataclass(frozen=True)
@@ -152,6 +189,15 @@ class Measurements:
                     "ready_s": b.ready_s,
                     "plain_bytes": b.plain_bytes,
                     "options": {str(r): dataclasses.asdict(o) for r, o in b.options.items()},
+                    "tensors": [
+                        [
+                            t.numel,
+                            t.element_bytes,
+                            t.wire_bytes,
+                            {str(r): f for r, f in t.factors.items()},
+                        ]
+                        for t in b.tensors
+                    ],
                 }
                 for b in self.buckets
             ],
@@ -164,6 +210,10 @@ class Measurements:
                 b["ready_s"],
                 b["plain_bytes"],
                 {int(r): Option(**o) for r, o in b["options"].items()},
+                tuple(
+                    Tensor(n, size, wire, {int(r): tuple(f) for r, f in factors.items()})
+                    for n, size, wire, factors in b.get("tensors", [])
+                ),
             )
             for b in data["buckets"]
         )
@@ -187,10 +237,14 @@ def _timeline(m: Measurements, plan: Sequence[int]) -> float:
             link = max(bucket.ready_s + shift, link) + m.link.seconds(bucket.plain_bytes)
             continue
         leaves = bucket.ready_s + shift + option.compress_s
+        if option.before_s:  # the local work waits for the link's collective before it
+            link = max(bucket.ready_s + shift, link) + option.before_s
+            leaves = link + option.compress_s
         shift += option.work_s
         link = max(leaves, link) + m.link.seconds(option.round1_bytes)
         if m.rounds == 2 and option.round2_bytes:
             link += m.link.seconds(option.round2_bytes)
+        link += option.after_s
     return max(m.backward_s + shift, link)
 
 

@@ -56,7 +56,7 @@ import torch
 from . import planner
 from .comm import first_rank
 from .compressor import PowerSGDCompressor
-from .config import PowerSGDConfig, parse_link
+from .config import COMM_DTYPES, PowerSGDConfig, parse_link
 
 logger = logging.getLogger("horovod_powersgd")
 
@@ -337,14 +337,14 @@ class Tuner:
         compress, total = rest[: len(options)], rest[len(options) :]
         samples = [(nbytes, s) for (_, nbytes, _), s in zip(self._timed, timed)]
         link = planner.Link.fit(samples)
-        sizes = _sizes(opt, self.ladder)
         out = []
         for j, bucket in enumerate(buckets):
-            found = {}
+            tensors = _tensors(opt, bucket, self.ladder)
+            sizes, found = _sizes(tensors, self.ladder, self.config.rounds), {}
             for k, (rank, index) in enumerate(options):
-                if index == bucket.index and rank in sizes[bucket.index] and total[k] == total[k]:
-                    found[rank] = planner.Option(compress[k], total[k], *sizes[bucket.index][rank])
-            out.append(planner.Bucket(ready[j], _plain_bytes(opt, bucket), found))
+                if index == bucket.index and rank in sizes and total[k] == total[k]:
+                    found[rank] = planner.Option(compress[k], total[k], *sizes[rank])
+            out.append(planner.Bucket(ready[j], _plain_bytes(opt, bucket), found, tensors))
         backward = max(ready) if ready else 0.0
         # The step beyond the model's part, as measured: the plain step less the span from
         # its first gradient to its last bucket's arrival. Not the step less the modelled
@@ -356,12 +356,20 @@ class Tuner:
         )
         return measured if self.pinned is None else measured.with_link(self.pinned)
 
+    def _write_profile(self, trials: list[dict] | None = None) -> None:
+        """The measurements (and the candidates' measured steps, once timed) to the file
+        HOROVOD_POWERSGD_PROFILE names, from the first rank: the ranks' means."""
+        profile = os.environ.get(PROFILE_VARIABLE)
+        if profile and self.comm.set_rank == 0:
+            data = self.measurements.to_dict()
+            if trials:
+                data["trials"] = trials  # bench.scale: compute under compression (docs/scale.md)
+            with open(profile, "w") as f:
+                json.dump(data, f, indent=1)
+
     def _plan(self, opt) -> None:
         self.measurements = self._gather(opt)
-        profile = os.environ.get(PROFILE_VARIABLE)
-        if profile and self.comm.set_rank == 0:  # the ranks' means: one file is enough
-            with open(profile, "w") as f:
-                json.dump(self.measurements.to_dict(), f, indent=1)
+        self._write_profile()
         if self.pinned is not None:
             # The real step times say nothing about a pinned link: the model decides.
             plan = planner.choose(self.measurements, self.ladder, TOLERANCE)
@@ -403,6 +411,7 @@ class Tuner:
             return
         local = torch.tensor(self.trial_seconds, dtype=torch.float64)
         seconds = (self.comm.allreduce_sum(local, "auto.t") / self.comm.size).tolist()
+        self._write_profile([{"plan": p, "step_s": t} for p, t in zip(self.candidates, seconds)])
         best = planner.pick_measured(self.candidates, seconds, TOLERANCE)
         if self._keep is not None and self._keep in self.candidates:
             kept = seconds[self.candidates.index(self._keep)]
@@ -587,29 +596,32 @@ def _time_link(comm, step: int) -> list[tuple[int, float]]:
     return samples
 
 
-def _sizes(opt, ladder) -> dict[int, dict[int, tuple[float, float]]]:
-    """bucket -> rank -> (round-1 bytes, round-2 bytes) of PowerSGD at that rank."""
-    config = opt.config
-    out: dict[int, dict[int, tuple[float, float]]] = {}
-    for bucket in opt._reducer.buckets:
-        out[bucket.index] = {}
+def _tensors(opt, bucket, ladder) -> tuple[planner.Tensor, ...]:
+    """Each of the bucket's gradients: its sizes, and its factors' bytes at every rank of
+    the ladder that compresses it."""
+    config, out = opt.config, []
+    for p in bucket.params:
+        factors = {}
         for rank in ladder:
-            p_bytes = q_bytes = plain = 0.0
-            for p in bucket.params:
-                if config.compresses(p.shape, rank):
-                    n, m = p.shape[0], p.numel() // p.shape[0]
-                    r = config.matrix_rank(n, m, rank)
-                    size = torch.finfo(config.comm_dtype or _compute(p.dtype)).bits // 8
-                    p_bytes, q_bytes = p_bytes + r * n * size, q_bytes + r * m * size
-                else:
-                    plain += p.numel() * _wire_size(opt, p, config.comm_dtype)
-            if not p_bytes:
-                continue
-            if config.rounds == 2:
-                out[bucket.index][rank] = (p_bytes + plain, q_bytes)
-            else:
-                out[bucket.index][rank] = ((p_bytes + q_bytes) / 2 + plain, 0.0)
-    return out
+            if config.compresses(p.shape, rank):
+                n, m = p.shape[0], p.numel() // p.shape[0]
+                r = config.matrix_rank(n, m, rank)
+                size = torch.finfo(config.comm_dtype or _compute(p.dtype)).bits // 8
+                factors[rank] = (float(r * n * size), float(r * m * size))
+        node = p.dtype if p.dtype in COMM_DTYPES else torch.float32  # hierarchy._Pack's
+        wire = float(p.numel() * _wire_size(opt, p, config.comm_dtype))
+        out.append(planner.Tensor(p.numel(), torch.finfo(node).bits // 8, wire, factors))
+    return tuple(out)
+
+
+def _sizes(tensors, ladder, rounds: int) -> dict[int, tuple[float, float]]:
+    """rank -> (round-1 bytes, round-2 bytes) of a bucket (its `_tensors`) as PowerSGD,
+    at the ranks that compress any of it."""
+    return {
+        rank: planner.message_bytes(tensors, rank, rounds)
+        for rank in ladder
+        if any(rank in t.factors for t in tensors)
+    }
 
 
 def _compute(dtype):

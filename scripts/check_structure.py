@@ -18,9 +18,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "horovod_powersgd"
 MAX_CLASS, MAX_FUNCTION = 350, 80
 # The modules from the bottom up: each may import only those before it.
 LAYERS = [
-    "config", "linalg", "collectives", "planner", "layout", "compressor", "guard", "monitor",
-    "comm", "reducer", "hierarchy", "tuner", "agreement", "sparse", "optimizer", "checkpoint",
-    "__init__",
+    "config", "linalg", "collectives", "planner", "shares", "layout", "compressor", "guard",
+    "monitor", "comm", "reducer", "hierarchy", "tuner", "agreement", "sparse", "optimizer",
+    "checkpoint", "__init__",
 ]  # fmt: skip
 
 

@@ -27,9 +27,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 
-from .. import planner
+from .. import planner, shares
 from ..collectives import (
     ALGORITHMS,
     ClusterLink,
@@ -46,40 +47,145 @@ def _halved(m: planner.Measurements) -> planner.Measurements:
     return dataclasses.replace(m, buckets=buckets)
 
 
-def hierarchical(m: planner.Measurements, cluster) -> planner.Measurements:
-    """The profiled job as hierarchical PowerSGD on `cluster` (docs/hierarchical.md).
+def hierarchical(m: planner.Measurements, cluster) -> list[planner.Measurements]:
+    """The profiled job as hierarchical PowerSGD on `cluster`: one `Measurements` per local
+    rank, each that worker's step (docs/scale.md; the step is the slowest's).
 
-    Each bucket's local work is split over the node's L workers (measured: 0.51-0.56
-    of flat's per worker at L = 2); it starts once the node's reduce-scatter of the
-    bucket is back (the intra-node hop, before the bucket can leave); P, Q and the
-    uncompressed tensors cross as L shares (`ShareLink`); the all-gather of the last
-    bucket ends the step (earlier ones overlap the later buckets on the other link).
+    Every bucket of a compressed step takes the library's four stages: the node's
+    collectives (hierarchy.py's packs, `shares.scatters`: a reduce-scatter of L
+    rows of the longest share and an all-gather of them, or the bucket all-reduced
+    whole twice) on the intra-node hop, before the bucket's local work and after
+    its rounds, on the worker's one queue of collectives; between them the share's
+    P, Q and uncompressed tensors cross the N nodes, the L shares at once on the
+    node's NICs. Local rank j's share is `shares.owners`' split of the profile's
+    tensors; its local work is the bucket's measured work times its share of the
+    compressed elements. A profile without tensor sizes (written before they
+    were recorded) is split evenly: the work / L, the bytes as L equal shares.
     """
     per_node = cluster.per_node
-
-    def inside(nbytes: float) -> float:
-        return collective_s("reduce_scatter", nbytes, per_node, cluster.intra)
-
-    buckets = tuple(
-        dataclasses.replace(
-            b,
-            options={
-                r: dataclasses.replace(
-                    o,
-                    compress_s=inside(b.plain_bytes) + o.compress_s / per_node,
-                    work_s=o.work_s / per_node,
+    ranks = sorted({r for b in m.buckets for r in b.options})
+    if not all(b.tensors for b in m.buckets):
+        return [_even_shares(m, cluster, ranks)]
+    split = shares.owners([[t.numel for t in b.tensors] for b in m.buckets], per_node)
+    stages = [_node_stages(b.tensors, owner, cluster) for b, owner in zip(m.buckets, split)]
+    out = []
+    for j in range(per_node):
+        buckets = []
+        for b, owner, (before, after) in zip(m.buckets, split, stages):
+            mine = [t for t, k in zip(b.tensors, owner) if k == j]
+            options = {}
+            for r in ranks:
+                compressed = sum(t.numel for t in b.tensors if r in t.factors)
+                part = (
+                    sum(t.numel for t in mine if r in t.factors) / compressed if compressed else 0
                 )
-                for r, o in b.options.items()
-            },
+                o = b.options.get(r, planner.Option(0.0, 0.0, 0.0))
+                first, second = planner.message_bytes(mine, r, m.rounds)
+                options[r] = planner.Option(
+                    o.compress_s * part, o.work_s * part, first, second, before, after
+                )
+            buckets.append(dataclasses.replace(b, options=options))
+        out.append(dataclasses.replace(m, buckets=tuple(buckets), link=ShareLink(cluster, False)))
+    return out
+
+
+def _node_stages(tensors, owner, cluster) -> tuple[float, float]:
+    """Seconds of a bucket's node collectives before its local work, and after its rounds."""
+    per_node, intra = cluster.per_node, cluster.intra
+    packs = {}
+    for t, j in zip(tensors, owner):
+        sizes, owners = packs.setdefault(t.element_bytes, ([], []))
+        sizes.append(t.numel)
+        owners.append(j)
+    if shares.scatters(list(packs.values()), per_node):
+        rows = sum(
+            size * per_node * max(1, *shares.rows(n, o, per_node)) for size, (n, o) in packs.items()
         )
-        for b in m.buckets
-    )
-    last = inside(m.buckets[-1].plain_bytes) if m.buckets else 0.0
-    return dataclasses.replace(m, buckets=buckets, link=ShareLink(cluster), rest_s=m.rest_s + last)
+        return (
+            collective_s("reduce_scatter", rows, per_node, intra),
+            collective_s("all_gather", rows, per_node, intra),
+        )
+    whole = collective_s("ring", sum(t.numel * t.element_bytes for t in tensors), per_node, intra)
+    return whole, whole
 
 
-def predictions(m: planner.Measurements, cluster, algorithm: str = "nccl") -> dict[str, float]:
-    """Configuration -> predicted seconds of one step of the profiled job on `cluster`."""
+def _even_shares(m: planner.Measurements, cluster, ranks) -> planner.Measurements:
+    """A profile without tensor sizes: every bucket split into L equal shares."""
+    per_node = cluster.per_node
+
+    def stage(kind: str, nbytes: float) -> float:
+        return collective_s(kind, nbytes, per_node, cluster.intra)
+
+    buckets = []
+    for b in m.buckets:
+        before, after = stage("reduce_scatter", b.plain_bytes), stage("all_gather", b.plain_bytes)
+        options = {}
+        for r in ranks:
+            o = b.options.get(r, planner.Option(0.0, 0.0, b.plain_bytes))
+            options[r] = dataclasses.replace(
+                o,
+                compress_s=o.compress_s / per_node,
+                work_s=o.work_s / per_node,
+                before_s=before,
+                after_s=after,
+            )
+        buckets.append(dataclasses.replace(b, options=options))
+    return dataclasses.replace(m, buckets=tuple(buckets), link=ShareLink(cluster))
+
+
+def hierarchical_s(m: planner.Measurements, cluster, rank: int) -> float:
+    """Predicted seconds of a hierarchical PowerSGD step at `rank`: the slowest share's."""
+    return max(planner.predict(s, planner.uniform(s, rank)) for s in hierarchical(m, cluster))
+
+
+def compute_under_compression(m: planner.Measurements, trials: list[dict]) -> float | None:
+    """The factor on the profile's compute that puts the model's step of each fully
+    compressed plan rank="auto" timed in the profiled job at what it measured (the
+    median over those plans; None: none timed). About 1 with a device per worker;
+    above 1 where workers share cores and compute at once only when the link is not
+    the wait (docs/scale.md: 3 workers on 2 cores, x1.7).
+
+    A plan counts where every bucket that can be compressed is: its messages are small
+    beside its compute, so the factor is the compute's. They are charged at the
+    profile's fitted bandwidth without its fitted latency, the least reliable part of
+    a fit to a few bucket sizes (0.37 s an all-reduce on the two-node LSTM's profile,
+    which would put 5 s of latency in a step of 6).
+
+    Example:
+        >>> o = planner.Option(compress_s=0.0, work_s=0.0, round1_bytes=1e3)
+        >>> b = planner.Bucket(ready_s=0.5, plain_bytes=1e8, options={2: o})
+        >>> m = planner.Measurements((b,), 0.5, 2.0, planner.Link(0.0, 1e9), rest_s=0.5)
+        >>> round(compute_under_compression(m, [{"plan": [2], "step_s": 1.5}]), 3)
+        1.5
+    """
+    bytes_only = m.with_link(planner.Link(0.0, m.link.bytes_per_s))
+
+    def step(factor: float, plan) -> float:
+        return planner.predict(bytes_only.scaled(factor), plan)
+
+    factors = []
+    for trial in trials:
+        plan, measured = trial["plan"], trial["step_s"]
+        if not any(plan) or any(r == planner.PLAIN and b.options for r, b in zip(plan, m.buckets)):
+            continue  # a plain bucket's all-reduce: the link's time, not the compute's
+        low, high = 0.05, 20.0
+        if not step(low, plan) <= measured <= step(high, plan):
+            continue
+        for _ in range(60):
+            mid = (low * high) ** 0.5
+            low, high = (mid, high) if step(mid, plan) < measured else (low, mid)
+        factors.append((low * high) ** 0.5)
+    return statistics.median(factors) if factors else None
+
+
+def predictions(
+    m: planner.Measurements, cluster, algorithm: str = "nccl", compressed_compute: float = 1.0
+) -> dict[str, float]:
+    """Configuration -> predicted seconds of one step of the profiled job on `cluster`.
+
+    `compressed_compute` scales the compute of the configurations that compress
+    (`compute_under_compression`); 1: every plan computes as the profiled plain steps.
+    """
     on = m.with_link(ClusterLink(cluster, algorithm))
     plain = [planner.PLAIN] * len(m.buckets)
     out = {
@@ -89,15 +195,17 @@ def predictions(m: planner.Measurements, cluster, algorithm: str = "nccl") -> di
             m.with_link(ClusterLink(cluster, "hierarchical")), plain
         ),
     }
+    squeezed = m.scaled(compressed_compute) if compressed_compute != 1.0 else m
+    busy = squeezed.with_link(ClusterLink(cluster, algorithm))
     ranks = sorted({r for b in m.buckets for r in b.options})
     for rank in ranks:
-        out[f"powersgd-r{rank}"] = planner.predict(on, planner.uniform(on, rank))
+        out[f"powersgd-r{rank}"] = planner.predict(busy, planner.uniform(busy, rank))
     if cluster.nodes > 1 and cluster.per_node > 1:
-        shared = hierarchical(m, cluster)
         for rank in ranks:
-            out[f"powersgd-hier-r{rank}"] = planner.predict(shared, planner.uniform(shared, rank))
+            out[f"powersgd-hier-r{rank}"] = hierarchical_s(squeezed, cluster, rank)
     if ranks:
-        out["powersgd-auto"] = planner.predict(on, planner.choose(on, ranks))
+        plan = planner.choose(on, ranks)
+        out["powersgd-auto"] = planner.predict(busy if any(plan) else on, plan)
     return out
 
 
@@ -111,13 +219,16 @@ def _fastest(seconds: dict[str, float]) -> str:
     return next(k for k, s in seconds.items() if s <= shortest * (1 + TIE))
 
 
-def table(m: planner.Measurements, cluster, workers, bandwidths, algorithm="nccl") -> list[dict]:
+def table(
+    m: planner.Measurements, cluster, workers, bandwidths, algorithm="nccl", compressed_compute=1.0
+) -> list[dict]:
     """One row per (workers, inter-node bandwidth): predicted ms and speedups."""
     rows = []
     for count in workers:
         sized = cluster.with_workers(count)
         for bandwidth in bandwidths:
-            seconds = predictions(m, sized.with_inter(parse_rate(bandwidth)), algorithm)
+            on = sized.with_inter(parse_rate(bandwidth))
+            seconds = predictions(m, on, algorithm, compressed_compute)
             plain = seconds["horovod"]
             rows.append(
                 {
@@ -194,18 +305,35 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", default="2,4,8,16,32,64,128,256,512,1024")
     parser.add_argument("--bandwidths", default="1gbit,10gbit,25gbit,100gbit")
     parser.add_argument("--compute", type=float, default=1.0, help="time scale of local work")
+    parser.add_argument(
+        "--compressed-compute",
+        default="1",
+        help="time scale of compressing configurations' compute on top of --compute: a "
+        'factor, or "trials": from the compressed steps the profiled job timed (workers '
+        "sharing cores; docs/scale.md)",
+    )
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="nccl")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--plot", help="write a PNG of the speedups here")
     args = parser.parse_args(argv)
     with open(args.profile) as f:
-        profile = planner.Measurements.from_dict(json.load(f)).scaled(args.compute)
+        data = json.load(f)
+    measured = planner.Measurements.from_dict(data)
+    if args.compressed_compute == "trials":
+        squeeze = compute_under_compression(measured, data.get("trials", []))
+        if squeeze is None:
+            parser.error(f'{args.profile} has no compressed step timed by rank="auto"')
+    else:
+        squeeze = float(args.compressed_compute)
+    profile = measured.scaled(args.compute)
     cluster = parse_cluster(args.cluster)
     workers = [int(w) for w in args.workers.split(",")]
-    rows = table(profile, cluster, workers, args.bandwidths.split(","), args.algorithm)
+    rows = table(profile, cluster, workers, args.bandwidths.split(","), args.algorithm, squeeze)
     print(
         f"Profile {args.profile} (rounds={profile.rounds}, {len(profile.buckets)} buckets, "
-        f"compute x{args.compute:g}); cluster {args.cluster}; all-reduce {args.algorithm}. "
+        f"compute x{args.compute:g}"
+        + (f", compressing x{squeeze:.3g}" if squeeze != 1.0 else "")
+        + f"); cluster {args.cluster}; all-reduce {args.algorithm}. "
         "Predicted step, speedup over plain Horovod; * fastest."
     )
     print(markdown(rows))

@@ -257,6 +257,34 @@ def test_the_first_rank_writes_the_profile_the_scale_cli_predicts_from(tmp_path,
             profile, parse_cluster("1x2,intra=1GB/10us,inter=1GB/10us"), [2], ["1gbit"]
         )
         assert rows[0]["step_ms"]["horovod"] > 0
+        # It holds each bucket's tensors, which a hierarchical prediction shares out as
+        # the library does: their sizes, and at each rank the factors of those it compresses.
+        for bucket, b in zip(opt._reducer.buckets, profile.buckets):
+            assert [t.numel for t in b.tensors] == [p.numel() for p in bucket.params]
+            assert sum(t.wire_bytes for t in b.tensors) == b.plain_bytes
+            for rank, option in b.options.items():
+                assert sum(t.factors[rank][1] for t in b.tensors if rank in t.factors) == (
+                    option.round2_bytes
+                )
+        shares = scale.hierarchical(profile, parse_cluster("2x2,intra=1GB/10us,inter=1gbit/1ms"))
+        assert len(shares) == 2 and all(s.buckets[0].options for s in shares)
+
+
+def test_the_profile_carries_the_candidates_timed_steps(tmp_path, monkeypatch):
+    """Once auto has timed its candidates, the profile holds each with its measured step
+    (the ranks' mean): bench.scale's compute under compression comes from them."""
+    path = tmp_path / f"profile-{hvd.rank()}.json"
+    monkeypatch.setenv(tuner_module.PROFILE_VARIABLE, str(path))
+    model = make_model()
+    opt = auto(model)
+    train(model, opt, SETTLED + 2)
+    assert opt._tuner.phase == "settled"
+    if hvd.rank() == 0:
+        data = json.loads(path.read_text())
+        trials = data["trials"]
+        assert [t["plan"] for t in trials] == opt._tuner.candidates
+        assert all(t["step_s"] > 0 for t in trials)
+        assert planner.Measurements.from_dict(data).buckets  # still a profile
 
 
 def test_the_profiles_rest_is_the_step_beyond_its_communication(monkeypatch):

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from horovod_powersgd import collectives, planner
+from horovod_powersgd import collectives, planner, shares
 from horovod_powersgd.bench import scale
 from horovod_powersgd.collectives import Cluster, ClusterLink, Hop
 
@@ -145,8 +145,9 @@ def test_the_cli_finds_powersgd_pays_on_slow_links_only(tmp_path, capsys):
 
 
 def test_hierarchical_powersgd_step_worked_by_hand():
-    """One bucket, two nodes of two workers: the work halves, the factors cross in halves
-    sharing the NIC, the node's reduce-scatter precedes the send, its all-gather ends."""
+    """A profile without tensor sizes: the work halves, the factors cross in halves sharing
+    the NIC, the node's reduce-scatter precedes the work, its all-gather follows the
+    rounds on the same queue of collectives."""
     option = planner.Option(compress_s=0.002, work_s=0.006, round1_bytes=2e4, round2_bytes=1e4)
     bucket = planner.Bucket(ready_s=0.01, plain_bytes=4e6, options={2: option})
     link = planner.Link(latency_s=1e-4, bytes_per_s=1e9)
@@ -160,11 +161,87 @@ def test_hierarchical_powersgd_step_worked_by_hand():
         return 2 * 1e-4 + (nbytes / 2) / shared
 
     leaves = 0.01 + inside + 0.002 / 2
-    link_done = leaves + across(2e4) + across(1e4)
-    expected = 0.04 + inside + max(0.01 + 0.006 / 2, link_done)
-    got = planner.predict(scale.hierarchical(m, c), [2])
-    assert got == pytest.approx(expected)
+    link_done = leaves + across(2e4) + across(1e4) + inside
+    expected = 0.04 + max(0.01 + 0.006 / 2, link_done)
+    (even,) = scale.hierarchical(m, c)
+    assert planner.predict(even, [2]) == pytest.approx(expected)
+    assert scale.hierarchical_s(m, c, 2) == pytest.approx(expected)
     # The scale CLI's table has it for clusters of several nodes of several workers only.
     assert "powersgd-hier-r2" in scale.predictions(m, c)
     assert "powersgd-hier-r2" not in scale.predictions(m, Cluster(1, 2, intra, inter))
     assert "powersgd-hier-r2" not in scale.predictions(m, Cluster(2, 1, intra, inter))
+
+
+def test_hierarchical_powersgd_shares_the_tensors_as_the_library_does():
+    """With the profile's tensors: bucket A is one large tensor (local rank 0's share,
+    reduced whole in the node: a tie at L = 2), bucket B two equal ones (one each,
+    scattered). Each share's work is its part of the compressed elements, its bytes
+    its tensors' factors; the step is the slowest share's."""
+    big = planner.Tensor(numel=10**6, element_bytes=4, wire_bytes=4e6, factors={2: (8e3, 4e3)})
+    small = planner.Tensor(numel=10**5, element_bytes=4, wire_bytes=4e5, factors={2: (800, 400)})
+    a = planner.Bucket(0.01, 4e6, {2: planner.Option(0.004, 0.01, 8e3, 4e3)}, (big,))
+    b = planner.Bucket(0.02, 8e5, {2: planner.Option(0.002, 0.004, 1600, 800)}, (small, small))
+    link = planner.Link(latency_s=1e-4, bytes_per_s=1e9)
+    m = planner.Measurements((a, b), backward_s=0.02, step_s=0.1, link=link, rest_s=0.05)
+    c = Cluster(nodes=2, per_node=2, intra=Hop(1e-6, 1e9), inter=Hop(1e-4, 1e8))
+    assert shares.owners([[10**6], [10**5, 10**5]], 2) == [[0], [1, 0]]
+    whole = 2 * 1e-6 + 4e6 / 1e9  # a 2-worker ring all-reduce of bucket A (twice)
+    rows = 1e-6 + 0.5 * (2 * 10**5 * 4) / 1e9  # reduce-scatter / all-gather of B's 2 rows
+
+    def across(nbytes):  # one share's message, a 2-node ring, half the NIC
+        return 2 * 1e-4 + nbytes / 5e7 if nbytes else 0.0
+
+    # Local rank 0: all of A's work, half of B's.
+    link0 = 0.01 + whole + 0.004  # A's all-reduce, then its work
+    shift = 0.01
+    link0 = link0 + across(8e3) + across(4e3) + whole
+    start = max(0.02 + shift, link0) + rows
+    link0 = start + 0.001 + across(800) + across(400) + rows
+    share0 = 0.05 + max(0.02 + shift + 0.002, link0)
+    # Local rank 1: nothing of A (no message between nodes), half of B.
+    link1 = 0.01 + whole + 0.0 + whole
+    start = max(0.02, link1) + rows
+    link1 = start + 0.001 + across(800) + across(400) + rows
+    share1 = 0.05 + max(0.02 + 0.002, link1)
+    zero, one = scale.hierarchical(m, c)
+    assert planner.predict(zero, [2, 2]) == pytest.approx(share0)
+    assert planner.predict(one, [2, 2]) == pytest.approx(share1)
+    assert scale.hierarchical_s(m, c, 2) == pytest.approx(max(share0, share1)) == share0
+    # The profile's JSON keeps the tensors.
+    again = planner.Measurements.from_dict(json.loads(json.dumps(m.to_dict())))
+    assert again.buckets[1].tensors == (small, small)
+
+
+def test_compute_under_compression_comes_from_the_jobs_own_compressed_steps(tmp_path, capsys):
+    """Where workers share cores, compressed steps compute more slowly than the plain steps
+    the profile measured (3 workers on 2 cores: x1.47). A profile with auto's timed
+    trials gives the factor that puts the model's compressed step at what was measured;
+    the CLI applies it to the compressing configurations only."""
+    m = profile()
+    truth = 1.4
+    timed = [2, 2, 2]
+    # Its messages at the fitted bandwidth, without the fitted latency (docstring).
+    bytes_only = m.with_link(planner.Link(0.0, m.link.bytes_per_s))
+    trials = [
+        {"plan": [0, 0, 0], "step_s": 3 * planner.predict(m, [0, 0, 0])},  # plain: ignored
+        {"plan": [0, 2, 2], "step_s": 9.0},  # a plain bucket: the link's time, ignored
+        {"plan": timed, "step_s": planner.predict(bytes_only.scaled(truth), timed)},
+    ]
+    assert scale.compute_under_compression(m, trials) == pytest.approx(truth, rel=1e-6)
+    assert scale.compute_under_compression(m, trials[:2]) is None
+    c = Cluster(2, 2, Hop(1e-6, 1e10), Hop(1e-4, 1e8))
+    base, squeezed = scale.predictions(m, c), scale.predictions(m, c, compressed_compute=truth)
+    assert squeezed["horovod"] == base["horovod"]
+    on = m.scaled(truth).with_link(ClusterLink(c))
+    assert squeezed["powersgd-r2"] == pytest.approx(planner.predict(on, planner.uniform(on, 2)))
+    assert squeezed["powersgd-hier-r2"] > base["powersgd-hier-r2"]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({**m.to_dict(), "trials": trials}))
+    args = ["--profile", str(path), "--cluster", "2x2,intra=10GB/1us,inter=100mbit/100us"]
+    scale.main(
+        [*args, "--workers", "4", "--bandwidths", "100mbit", "--compressed-compute", "trials"]
+    )
+    assert "compressing x1.4" in capsys.readouterr().out
+    path.write_text(json.dumps(m.to_dict()))
+    with pytest.raises(SystemExit):
+        scale.main([*args, "--compressed-compute", "trials"])
