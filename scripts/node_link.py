@@ -74,7 +74,8 @@ def measure(hvd, args, config: str, rank: int | None) -> dict:
     else:
         opt = hps.DistributedOptimizer(
             opt, named_parameters=model.named_parameters(),
-            rank="auto" if config == "powersgd-auto" else rank,
+            rank="auto" if config.endswith("-auto") else rank,
+            rounds=1 if config.startswith("powersgd-1round") else 2,
             hierarchical=config == "powersgd-hier", start_iter=args.start_iter,
         )  # fmt: skip
         timed(opt.compressor, spent)
@@ -113,7 +114,12 @@ def measure(hvd, args, config: str, rank: int | None) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", choices=sorted(MODELS), default="resnet18")
-    p.add_argument("--configs", default="horovod,powersgd:2,powersgd-hier:2")
+    p.add_argument(
+        "--configs",
+        default="horovod,powersgd:2,powersgd-hier:2",
+        help="horovod, powersgd:R, powersgd-1round:R (rounds=1), powersgd-hier:R, "
+        "powersgd-auto, powersgd-1round-auto, idle:SECONDS",
+    )
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
