@@ -1,7 +1,8 @@
 """Hierarchical PowerSGD on a cluster of nodes (scripts/two_nodes.sh runs it): the contract.
 
 argv: a directory for checkpoints, then options (`--rounds N`, `--fp16`,
-`--setting True|auto|False`). Every rank prints one JSON line (`hier_job {...}`):
+`--setting True|auto|False`, `--accumulate K`: backward_passes_per_step).
+Every rank prints one JSON line (`hier_job {...}`):
 where it ran, digests of its parameters after training, the steps' largest
 difference from plain Horovod's average at full rank, a resumed run's digest
 beside the uninterrupted one's, and its statistics.
@@ -48,6 +49,8 @@ def digest(model):
 def make(model, args, **kw):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     settings = dict(rank=args.rank, rounds=args.rounds, hierarchical=args.setting)
+    if args.accumulate > 1:
+        settings["backward_passes_per_step"] = args.accumulate
     if args.fp16:
         settings["compression"] = hvd.Compression.fp16
     settings.update(kw)
@@ -60,9 +63,10 @@ def full_rank_gap(args):
     opt = make(model, args, rank=24, min_compression_rate=0)
     gap = 0.0
     for step in range(6):
-        x, y = batch(step)
         opt.zero_grad()
-        loss_of(model, x, y).backward()
+        for k in range(args.accumulate):  # backward_passes_per_step: summed in p.grad
+            x, y = batch(args.accumulate * step + k)
+            loss_of(model, x, y).backward()
         local = [p.grad.clone() for p in model.parameters()]
         opt.synchronize()
         for i, (p, g) in enumerate(zip(model.parameters(), local)):
@@ -74,10 +78,12 @@ def full_rank_gap(args):
 
 
 def train(model, opt, steps, start=0):
+    passes = opt.backward_passes_per_step
     for step in range(start, start + steps):
-        x, y = batch(step)
         opt.zero_grad()
-        loss_of(model, x, y).backward()
+        for k in range(passes):
+            x, y = batch(passes * step + k)
+            loss_of(model, x, y).backward()
         opt.step()
 
 
@@ -98,6 +104,7 @@ def main():
     parser.add_argument("--static", action="store_true", help="hvd.init() without dynamic sets")
     parser.add_argument("--process-set", action="store_true", help="a process set of all ranks")
     parser.add_argument("--bucket-bytes", type=int, default=None, help="1: a bucket per tensor")
+    parser.add_argument("--accumulate", type=int, default=1, help="backward_passes_per_step")
     args = parser.parse_args()
     if args.bucket_bytes is not None:
         reducer.BUCKET_BYTES = args.bucket_bytes

@@ -65,9 +65,10 @@ def assert_contract(rows, full_rank=True):
     "options",
     # A bucket per tensor: every bucket is one worker's share, and the node's other
     # worker holds nothing of it (as a large embedding's bucket; it crashed the optimizer's
-    # construction on that worker until 2026-12-04).
-    [[], ["--rounds", "1"], ["--fp16"], ["--bucket-bytes", "1"]],
-    ids=["rounds2", "rounds1", "fp16", "bucket-per-tensor"],
+    # construction on that worker until 2026-12-04). Gradient accumulation
+    # (backward_passes_per_step=2): the step is Horovod's average of the summed passes.
+    [[], ["--rounds", "1"], ["--fp16"], ["--bucket-bytes", "1"], ["--accumulate", "2"]],
+    ids=["rounds2", "rounds1", "fp16", "bucket-per-tensor", "accumulate"],
 )
 def test_two_nodes_of_two_workers_keep_the_contract(python, tmp_path, options):
     rows = run_job(python, tmp_path, "--steps", "6", *options)
