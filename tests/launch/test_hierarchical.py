@@ -32,7 +32,7 @@ def run_job(python, tmp_path, *options, per_node="2", expect_ok=True):
     return rows
 
 
-def assert_contract(rows, full_rank=True):
+def assert_contract(rows, full_rank=True, gap=1e-4):
     # Every worker of every node steps on the same gradient: identical parameters.
     assert len({r["params"] for r in rows}) == 1, rows
     # save_checkpoint / load_checkpoint resume every worker's share bit for bit.
@@ -41,7 +41,7 @@ def assert_contract(rows, full_rank=True):
     # with rounds=2, 6.8e-7 with rounds=1). Not on a float16 wire, flat or not:
     # gradients under float16's range arrive as zero (a gap of 1.0, flat as well).
     if full_rank:
-        assert max(r["full_rank_gap"] for r in rows) < 1e-4, rows
+        assert max(r["full_rank_gap"] for r in rows) < gap, rows
     # The shares split the compressed layers: disjoint per local rank, the same on
     # both nodes, together every compressed layer of the model.
     shares = {}
@@ -73,7 +73,11 @@ def assert_contract(rows, full_rank=True):
 def test_two_nodes_of_two_workers_keep_the_contract(python, tmp_path, options):
     rows = run_job(python, tmp_path, "--steps", "6", *options)
     assert all(r["hierarchical"] for r in rows)
-    assert_contract(rows, full_rank="--fp16" not in options)
+    # With accumulation the full-rank gap measured 2.2e-5 (1.3e-6 without: float32
+    # round-off carried by error feedback over the 6 steps); a wrong average is off by
+    # order 1, so 1e-3 keeps 45x of margin for another CPU's rounding.
+    gap = 1e-3 if "--accumulate" in options else 1e-4
+    assert_contract(rows, full_rank="--fp16" not in options, gap=gap)
     # The layer statistics agree over the ranks of each share (the mean of its holders).
     for r in rows:
         assert all(v is not None for v in r["relative_error"].values()), r
