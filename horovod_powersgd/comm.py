@@ -17,6 +17,8 @@ import time
 
 import horovod.torch as hvd
 import torch
+from horovod.common.exceptions import HorovodInternalError
+from horovod.torch import optimizer as _hvd_optimizer
 from horovod.torch.compression import FP16Compressor
 from horovod.torch.elastic import state as _elastic_state
 
@@ -28,9 +30,15 @@ Compression, ProcessSet, global_process_set = (
     hvd.ProcessSet,
     hvd.global_process_set,
 )
-# hvd.broadcast_optimizer_state treats an optimizer of this module as Horovod's own.
-HOROVOD_OPTIMIZER_MODULE = hvd.DistributedOptimizer.__module__
+# hvd.broadcast_optimizer_state initialises an empty optimizer with the wrapped
+# optimizer's plain step (no collective) only when `optimizer.__module__` is that of
+# horovod.torch.optimizer's DistributedOptimizer: read it there. hvd.DistributedOptimizer
+# may by now be a user's wrapper put in its place (the one-line swap, made by a function).
+HOROVOD_OPTIMIZER_MODULE = _hvd_optimizer.DistributedOptimizer.__module__
 OptimizerStateHandler = _elastic_state.OptimizerStateHandler
+# What Horovod says of a process set it does not hold (or no longer): its collectives,
+# and ProcessSet.size() / rank().
+_SET_GONE = ("Process set provided does not exist", "Process set does not exist")
 # Dtypes Horovod 0.28 can broadcast; others (bfloat16, bool) travel as their bytes.
 _BROADCASTABLE = (*COMM_DTYPES, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 # The ctx of a gradient cast to comm_dtype for the wire (not the user's compression).
@@ -46,6 +54,50 @@ _instances: dict = collections.defaultdict(itertools.count)
 # work being waited for. Our waits poll and sleep instead; the added latency is
 # at most about one interval per round.
 _POLL_INTERVAL_S = 100e-6
+
+
+def _translated(horovod_call):
+    """`horovod_call`, raising HorovodInternalError where Horovod lost a process set.
+
+    Once Horovod has stopped (a rank ended or failed), it clears its process sets
+    before it checks whether it stopped, so a call over any set but the global one
+    fails with a ValueError that says the set does not exist. Horovod's own
+    collectives raise HorovodInternalError then, which elastic training and user
+    code catch to recover: so do ours. (Every set of an optimizer was there when
+    it was built: its first collective ran over it.)
+    """
+
+    def call(*args, **kwargs):
+        try:
+            return horovod_call(*args, **kwargs)
+        except ValueError as error:
+            raise _gone(error)  # noqa: B904 (the original, or one whose cause it is)
+
+    return call
+
+
+def _gone(error: ValueError) -> Exception:
+    if not any(text in str(error) for text in _SET_GONE):
+        return error
+    internal = HorovodInternalError(
+        f"{error}: Horovod has stopped (a rank ended or failed), or the process set was "
+        "removed while an optimizer used it"
+    )
+    internal.__cause__ = error
+    return internal
+
+
+# The Horovod calls of an optimizer's process set (see `_translated`).
+_grouped_allreduce_async_ = _translated(hvd.grouped_allreduce_async_)
+_grouped_reducescatter_async = _translated(hvd.grouped_reducescatter_async)
+_grouped_allgather_async = _translated(hvd.grouped_allgather_async)
+_allgather_async = _translated(hvd.allgather_async)
+_allgather = _translated(hvd.allgather)
+_allreduce = _translated(hvd.allreduce)
+_broadcast_object = _translated(hvd.broadcast_object)
+_broadcast_async_ = _translated(hvd.broadcast_async_)
+_set_size = _translated(hvd.ProcessSet.size)
+_set_rank = _translated(hvd.ProcessSet.rank)
 
 
 def wait(handle):
@@ -147,20 +199,21 @@ class Comm:
         self.predivide = predivide
         set_id = process_set.process_set_id
         self.name = f"powersgd.{set_id}.{next(_instances[set_id])}"
-        self.scale = {}
+        scale = {}
         if op == hvd.Average:  # divide before the sum and after, as Horovod does
-            self.scale = {"prescale_factor": 1.0 / predivide, "postscale_factor": predivide}
+            scale = {"prescale_factor": 1.0 / predivide, "postscale_factor": predivide}
+        self._reduce = {"op": op, "process_set": process_set, **scale}  # the gradients'
         self.elements_sent = 0  # handed to all-reduces of gradients, P and Q so far
         self.bytes_sent = 0
         self.tally = self  # whose counters this one's collectives add to
 
     @property
     def size(self) -> int:
-        return self.process_set.size()
+        return _set_size(self.process_set)
 
     @property
     def set_rank(self) -> int:
-        return self.process_set.rank()
+        return _set_rank(self.process_set)
 
     def included(self) -> bool:
         return self.process_set.included()
@@ -176,10 +229,7 @@ class Comm:
     def allreduce_async(self, tensors: list[torch.Tensor], name: str):
         """One grouped all-reduce of `tensors` in place (op, scaling as set), counted."""
         self._count(tensors)
-        return hvd.grouped_allreduce_async_(
-            tensors, name=f"{self.name}.{name}", op=self.op, process_set=self.process_set,
-            **self.scale,
-        )  # fmt: skip
+        return _grouped_allreduce_async_(tensors, name=f"{self.name}.{name}", **self._reduce)
 
     def _count(self, tensors: list[torch.Tensor]) -> None:
         self.tally.elements_sent += sum(t.numel() for t in tensors)
@@ -188,7 +238,7 @@ class Comm:
     def sum_async(self, tensors: list[torch.Tensor], name: str):
         """One grouped all-reduce of `tensors` in place, summed (whatever `op`), counted."""
         self._count(tensors)
-        return hvd.grouped_allreduce_async_(
+        return _grouped_allreduce_async_(
             tensors, name=f"{self.name}.{name}", op=hvd.Sum, process_set=self.process_set
         )
 
@@ -196,14 +246,14 @@ class Comm:
         """One grouped reduce-scatter (op, no scaling): set rank i gets row i of each
         (set size, L) tensor; counted. `wait` gives the (1, L) results."""
         self._count(tensors)
-        return hvd.grouped_reducescatter_async(
+        return _grouped_reducescatter_async(
             tensors, name=f"{self.name}.{name}", op=self.op, process_set=self.process_set
         )
 
     def allgather_async(self, tensors: list[torch.Tensor], name: str):
         """One grouped all-gather of (1, L) tensors: `wait` gives the (set size, L) ones."""
         self._count(tensors)
-        return hvd.grouped_allgather_async(
+        return _grouped_allgather_async(
             tensors, name=f"{self.name}.{name}", process_set=self.process_set
         )
 
@@ -221,7 +271,7 @@ class Comm:
         self.bytes_sent += indices.numel() * 8 + values.numel() * values.element_size()
         name = f"{self.name}.{name}"
         handles = [
-            hvd.allgather_async(t, name=f"{name}.{part}", process_set=self.process_set)
+            _allgather_async(t, name=f"{name}.{part}", process_set=self.process_set)
             for part, t in (("values", values), ("indices", indices))
         ]
         size, average = self.size, self.op == hvd.Average
@@ -258,17 +308,17 @@ class Comm:
     # --- now and then ---------------------------------------------------------------
     def allgather(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Every rank's `tensor`, stacked along the first dimension in set-rank order."""
-        return hvd.allgather(tensor, name=f"{self.name}.{name}", process_set=self.process_set)
+        return _allgather(tensor, name=f"{self.name}.{name}", process_set=self.process_set)
 
     def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """The sum of `tensor` over the ranks, the same on every rank (not counted)."""
-        return hvd.allreduce(
+        return _allreduce(
             tensor, op=hvd.Sum, name=f"{self.name}.{name}", process_set=self.process_set
         )
 
     def broadcast_object(self, obj, root_rank: int, name: str):
         """Global rank `root_rank`'s `obj`, on every rank of the set."""
-        return hvd.broadcast_object(
+        return _broadcast_object(
             obj, root_rank=root_rank, name=f"{self.name}.{name}", process_set=self.process_set
         )
 
@@ -288,8 +338,7 @@ class Comm:
                 if wire.data_ptr() != t.data_ptr():
                     copies.append((t, wire))
             handles.append(
-                hvd.broadcast_async_(
-                    wire, root_rank=root, name=f"{self.name}.{name}.{i}",
+                _broadcast_async_(wire, root_rank=root, name=f"{self.name}.{name}.{i}",
                     process_set=self.process_set,
                 )
             )  # fmt: skip
@@ -324,12 +373,14 @@ class Collective:
         """Every rank's `blob`, in set-rank order."""
         data = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
         sizes = self._wait(
-            hvd.allgather_async(
-                torch.tensor([data.numel()]), name=f"{name}.sizes", process_set=self.process_set
+            _allgather_async(
+                torch.tensor([data.numel()]),
+                name=f"{name}.sizes",
+                process_set=self.process_set,
             )
         )
         gathered = self._wait(
-            hvd.allgather_async(data, name=f"{name}.data", process_set=self.process_set)
+            _allgather_async(data, name=f"{name}.data", process_set=self.process_set)
         )
         out, offset = [], 0
         for size in sizes.tolist():
@@ -346,13 +397,16 @@ class Collective:
         root = first_rank(self.process_set)
         data = pickle.dumps(obj) if hvd.rank() == root else b""
         size = torch.tensor([len(data)])
-        self._wait(
-            hvd.broadcast_async_(size, root, name=f"{name}.size", process_set=self.process_set)
-        )
+        self._wait(_broadcast_async_(size, root, name=f"{name}.size", process_set=self.process_set))
         buffer = torch.zeros(int(size), dtype=torch.uint8)
         if hvd.rank() == root:
             buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self._wait(
-            hvd.broadcast_async_(buffer, root, name=f"{name}.data", process_set=self.process_set)
+            _broadcast_async_(
+                buffer,
+                root,
+                name=f"{name}.data",
+                process_set=self.process_set,
+            )
         )
         return pickle.loads(buffer.numpy().tobytes())

@@ -40,6 +40,25 @@ def launch(cmd, timeout, cwd=ROOT):
     return proc.returncode, out, time.monotonic() - start
 
 
+def mpirun_command(python, np, script, *args):
+    """mpirun of `script` on `np` local processes, as root, yielding idle cores."""
+    return [
+        "mpirun",
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        str(np),
+        "--mca",
+        "mpi_yield_when_idle",
+        "1",
+        "--bind-to",
+        "none",
+        python,
+        script,
+        *args,
+    ]
+
+
 @pytest.fixture
 def python():
     return str(BIN / "python")

@@ -3,27 +3,13 @@
 import json
 
 import pytest
-from conftest import launch
+from conftest import launch, mpirun_command
 
 JOB = "tests/launch/train_job.py"
 
 
 def mpirun(python, np, *args):
-    return [
-        "mpirun",
-        "--allow-run-as-root",
-        "--oversubscribe",
-        "-np",
-        str(np),
-        "--mca",
-        "mpi_yield_when_idle",
-        "1",
-        "--bind-to",
-        "none",
-        python,
-        JOB,
-        *args,
-    ]
+    return mpirun_command(python, np, JOB, *args)
 
 
 def gloo(horovodrun, python, np, *args):

@@ -107,3 +107,26 @@ def test_checkpoints_of_a_set_without_global_rank_0_resume_exactly(upper, shared
     if upper.included():
         for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
             assert torch.equal(a, b), "the resumed run differs from the uninterrupted one"
+
+
+def test_a_process_set_gone_mid_training_raises_horovods_internal_error():
+    # Once Horovod stops (a rank of the job ended), it clears its process sets before
+    # it checks whether it stopped: a collective over a set of ours then failed with
+    # "ValueError: ... Process set provided does not exist" instead of the
+    # HorovodInternalError that elastic training and user code catch to recover.
+    # Taking the set out of Horovod's table, as its shutdown does (the Python object
+    # left as it is, unlike hvd.remove_process_set), is the same lookup failure.
+    from horovod.torch.mpi_ops import _basics
+
+    process_set = hvd.add_process_set(list(range(1, hvd.size())))
+    model = make_model()
+    opt = powersgd(model, process_set, rank=2)
+    train(model, opt, steps=1)
+    assert _basics._remove_process_set_impl(process_set.process_set_id) is not None
+    if process_set.included():
+        with pytest.raises(hvd.HorovodInternalError, match="Horovod has stopped") as raised:
+            train(model, opt, steps=1, first_step=1)
+        assert "does not exist" in str(raised.value)
+        # A collective of the step's own, enqueued after the set is gone: the same.
+        with pytest.raises(hvd.HorovodInternalError, match="does not exist"):
+            opt._comm.allreduce_async([torch.zeros(4)], "gone")
