@@ -160,7 +160,7 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer, map_location=N
     main = ours = note = problem = None
     try:
         main, ours, note = _read(path, rank, size, map_location, optimizer._state_fits)
-        optimizer.compressor.check_state_dict(ours["compressor"])
+        optimizer._check_state(ours)
         _check_model(model, main["model"], path)
     except FileNotFoundError as e:
         problem = FileNotFoundError(str(e))

@@ -583,8 +583,12 @@ class PowerSGDCompressor:
         memories = ("q_memory", "p_memory") if self.config.rounds == 1 else ("q_memory",)
         return ("error_buffers", *memories)
 
-    def check_state_dict(self, state: dict, tensor_keys=None) -> None:
-        """Raise ValueError, naming the cause, if `state` does not fit this model."""
+    def check_state_dict(self, state: dict, tensor_keys=None, leaving: Iterable[str] = ()) -> None:
+        """Raise ValueError, naming the cause, if `state` does not fit this model.
+
+        `leaving`: names that loading `state` takes out of PowerSGD (its sparse
+        parameters, see `exclude`): the state holds no matrices of theirs.
+        """
         if not isinstance(state, dict):
             raise ValueError("PowerSGD state must be a dict from state_dict()")
         tensor_keys = self._tensor_keys() if tensor_keys is None else tensor_keys
@@ -595,7 +599,9 @@ class PowerSGDCompressor:
                 raise ValueError(
                     f"PowerSGD state has no '{key}': not a horovod_powersgd checkpoint"
                 )
+        leaving = set(leaving)
         layout = self.layout(self._saved_ranks(state))
+        layout = {name: shape for name, shape in layout.items() if name not in leaving}
         for key in tensor_keys:
             saved = state.get(key)
             if saved is None:
@@ -667,9 +673,9 @@ class PowerSGDCompressor:
         """Restore `state_dict()` output; validates everything before changing anything."""
         self._load(state, self._tensor_keys())
 
-    def check_shared_state(self, shared: dict) -> None:
+    def check_shared_state(self, shared: dict, leaving: Iterable[str] = ()) -> None:
         """Raise ValueError, naming the cause, if `shared` does not fit this model."""
-        self.check_state_dict(shared, self._tensor_keys()[1:])
+        self.check_state_dict(shared, self._tensor_keys()[1:], leaving)
 
     def load_shared_state(self, shared: dict) -> None:
         """Set the state equal on every rank: `shared_state()` of another worker."""

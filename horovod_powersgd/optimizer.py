@@ -32,6 +32,7 @@ import weakref
 from contextlib import contextmanager
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import comm as hvd_comm
 from .agreement import (
@@ -55,6 +56,10 @@ from .sparse import SparseGradients
 from .tuner import FixedRanks, Tuner, link_setting
 
 STATE_KEY = "powersgd"  # this rank's PowerSGD state in state_dict()
+# Parameter -> the optimizer built last over it (weakly): an older one still alive is
+# refused at its next hook, naming it (`_superseded`), instead of counting backward passes.
+# (Keyed by identity: a tensor's == compares elements.)
+_NEWEST = WeakIdKeyDictionary()
 # Horovod's own messages, for the same mistakes.
 _TOO_MANY_PASSES = (
     "Gradients were computed more than backward_passes_per_step times before call to step(). "
@@ -146,8 +151,11 @@ class _DistributedOptimizer:
             # a new one on the same model) its hooks do nothing instead of counting
             # backward passes for a step that will never come.
             hook = _hook_of(weakref.ref(self))
+            for older in {_NEWEST[p]() for p in self._params if p in _NEWEST} - {None}:
+                older._hook = _superseded(weakref.ref(older), weakref.ref(self))
             for p in self._params:
                 p.register_post_accumulate_grad_hook(hook)
+                _NEWEST[p] = weakref.ref(self)
 
     # --- one step -------------------------------------------------------------------------
     def _hook(self, p: torch.Tensor) -> None:
@@ -454,9 +462,8 @@ class _DistributedOptimizer:
         # error buffers are in the rank files.
         shared_only = ours is not None and "error_buffers" not in ours["compressor"]
         if ours is not None:
-            self._sparse.take(ours.get("sparse", []))  # those leave PowerSGD: before the check
-            check = self.compressor.check_shared_state if shared_only else None
-            (check or self.compressor.check_state_dict)(ours["compressor"])
+            self._check_state(ours)
+            self._sparse.take(ours.get("sparse", []))  # those leave PowerSGD
         self._reset_step()
         self._sparse.forget_step()
         self._synchronized = False
@@ -499,6 +506,16 @@ class _DistributedOptimizer:
             )
             self.compressor.reset_error()
 
+    def _check_state(self, ours: dict) -> None:
+        """Raise ValueError, naming the cause, if a PowerSGD state (`state_dict()["powersgd"]`,
+        or its shared part) cannot be loaded here. Changes nothing: its sparse parameters
+        leave PowerSGD only as it is loaded, so their matrices are not expected in it."""
+        leaving = self._sparse.leaving(ours.get("sparse", []))
+        if "error_buffers" in ours["compressor"]:
+            self.compressor.check_state_dict(ours["compressor"], leaving=leaving)
+        else:
+            self.compressor.check_shared_state(ours["compressor"], leaving)
+
     def _state_fits(self, ours: dict) -> bool:
         """Whether a PowerSGD state (`state_dict()["powersgd"]`) holds this rank's matrices."""
         return ours.get("share") == (self._hierarchy.key if self._hierarchy else None)
@@ -540,10 +557,42 @@ def _warn_synchronized_already() -> None:
     )
 
 
+def _superseded(old_ref, new_ref):
+    """The `_hook` of an optimizer once a newer one wraps some of its parameters.
+
+    Usually the older one is dropped as the newer one takes its place, and its
+    hooks do nothing. Still alive (something references it: an LR scheduler built
+    on it, a list), its hooks would go on counting backward passes and start its
+    own step's collectives beside the newer one's: refused, naming it, before any
+    collective, on every rank alike (each runs the same code). Should the newer
+    one be dropped instead, the older one trains on. (Weak references: no cycle.)
+    """
+
+    def hook(p: torch.Tensor) -> None:
+        old, new = old_ref(), new_ref()
+        if new is None:
+            del old._hook  # the class's again
+            return old._hook(p)
+        _refuse_superseded(old, new, p)
+
+    return hook
+
+
+def _refuse_superseded(old, new, p: torch.Tensor) -> None:
+    raise RuntimeError(
+        f"parameter {old._names[p]!r} is wrapped by two horovod_powersgd optimizers: a newer "
+        f"one ({new._base.__name__}, over {len(new._params)} parameters) and this older "
+        f"one ({old._base.__name__}, over {len(old._params)} parameters), which is still "
+        "referenced somewhere (an LR scheduler or a list built on it?) and so still hooked "
+        "into every backward pass. The older optimizer is the cause: drop every reference "
+        "to it (build the LR scheduler again on the new optimizer) before training with "
+        "the new one"
+    )
+
+
 def _hook_of(optimizer_ref):
     def hook(p):
-        optimizer = optimizer_ref()
-        if optimizer is not None:
+        if (optimizer := optimizer_ref()) is not None:
             optimizer._hook(p)
 
     return hook

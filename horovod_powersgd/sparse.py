@@ -107,6 +107,10 @@ class SparseGradients:
         if not self.as_dense:
             self.gather(params)
 
+    def leaving(self, names) -> set[str]:
+        """Which of a saved state's sparse parameters `take` would take out of PowerSGD."""
+        return set() if self.as_dense else set(names)
+
     def sparse_names(self) -> list[str]:
         return sorted(self.names[p] for p in self.sparse)
 

@@ -75,6 +75,58 @@ def test_resume_is_bit_exact(path):
     assert resumed_opt.compression_stats() == opt.compression_stats()
 
 
+class SparseEmbeddingModel(torch.nn.Module):
+    """A sparse embedding (large enough to be compressed until seen sparse) before a head."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = torch.nn.Embedding(256, 32, sparse=True)
+        self.head = torch.nn.Linear(32, 8)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).mean(1))
+
+
+def train_sparse(model, opt, steps, first_step=0):
+    for step in range(first_step, first_step + steps):
+        g = torch.Generator().manual_seed(100 * step + hvd.rank())
+        ids = torch.randint(0, 256, (8, 5), generator=g)
+        opt.zero_grad()
+        model(ids).pow(2).mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_resume_of_a_model_with_a_sparse_embedding_is_bit_exact(path, sparse_as_dense):
+    # The embedding leaves PowerSGD (sparse_as_dense=False) at its first sparse gradient;
+    # a fresh optimizer still counts it as compressed until the checkpoint says otherwise.
+    def build(seed):
+        model = SparseEmbeddingModel(seed)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        return model, hps.DistributedOptimizer(
+            opt, named_parameters=model.named_parameters(), rank=2,
+            sparse_as_dense=sparse_as_dense,
+        )  # fmt: skip
+
+    model, opt = build(0)
+    train_sparse(model, opt, steps=6)
+    assert opt.compressor.is_compressed("emb.weight") == sparse_as_dense
+    hps.save_checkpoint(path, model, opt)
+    train_sparse(model, opt, steps=4, first_step=6)
+
+    resumed, resumed_opt = build(123)
+    assert resumed_opt.compressor.is_compressed("emb.weight")
+    hps.load_checkpoint(path, resumed, resumed_opt)
+    assert resumed_opt.compressor.is_compressed("emb.weight") == sparse_as_dense
+    train_sparse(resumed, resumed_opt, steps=4, first_step=6)
+    assert resumed.emb.weight.grad.is_sparse
+    for (n, a), b in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), n
+        assert_same_on_every_rank(b, f"sparse_resume.{n}")
+    assert resumed_opt.compression_stats() == opt.compression_stats()
+
+
 @pytest.mark.parametrize("rounds", [2, 1])
 def test_horovods_rank0_resume_from_the_main_file_keeps_the_shared_state(path, rank, rounds):
     # Issue 23, item 6: saved with save_checkpoint, loaded the way Horovod's examples

@@ -5,6 +5,7 @@ Every rank runs every test (see conftest.py).
 """
 
 import gc
+import re
 import warnings
 
 import horovod.torch as hvd
@@ -337,3 +338,28 @@ def test_a_new_optimizer_on_the_same_model_replaces_the_old_one_without_gc():
     finally:
         if gc_was:
             gc.enable()
+
+
+def test_an_older_optimizer_still_referenced_is_named_as_the_cause():
+    # Wrapped with the backbone frozen, then unfrozen and wrapped again over every
+    # parameter, while an LR scheduler still holds the first optimizer: its hooks still
+    # fire. It is named as the cause (not told to do what the user just did), on every
+    # rank, before any collective; dropped, the new optimizer trains on.
+    model = make_model()
+    model[0].requires_grad_(False)
+    head = powersgd(model)
+    scheduler = torch.optim.lr_scheduler.StepLR(head, step_size=10)
+    train(model, head, steps=2)
+    model[0].requires_grad_(True)
+    everything = powersgd(model)
+    with pytest.raises(RuntimeError, match="older optimizer is the cause") as refused:
+        train(model, everything, steps=1, first_step=2)
+    message = str(refused.value)
+    assert "did not require grad" not in message, message
+    assert re.search(r"parameter '[24]\.(weight|bias)' is wrapped by two", message), message
+    assert "this older one (SGD, over 4 parameters)" in message, message
+    del scheduler, head, refused  # (its traceback holds both optimizers too)
+    everything = powersgd(model)  # the user's fix: nothing holds the old one now
+    train(model, everything, steps=2, first_step=3)
+    for n, p in model.named_parameters():
+        assert_same_on_every_rank(p, f"superseded.{n}")
