@@ -43,6 +43,7 @@ held back is lost. The plan and its measurements are in the optimizer's state.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -122,6 +123,32 @@ def pinned_link(config: PowerSGDConfig) -> planner.Link | None:
         source = "auto_link" if config.auto_link else LINK_ENV
         raise ValueError(f"{source}={text!r}: {error}") from None
     return planner.Link(latency_s=latency_s, bytes_per_s=bytes_per_s)
+
+
+def profile_path(writer: bool) -> str | None:
+    """The file HOROVOD_POWERSGD_PROFILE names, where this rank writes the profile, if it can.
+
+    Only the set's first rank (`writer`) writes, so only its path is checked, when the
+    optimizer is built: one that cannot be written (no such folder, a folder, no
+    permission) is logged as a warning there and none is written. Logged, not raised
+    nor `warnings.warn`-ed: on one rank alone that would end the job (or, under
+    -W error, leave the other ranks waiting in the next collective).
+    """
+    path = os.environ.get(PROFILE_VARIABLE)
+    if not (path and writer):
+        return None
+    folder = os.path.dirname(os.path.abspath(path))
+    problem = (
+        "it is a folder" if os.path.isdir(path)
+        else f"there is no folder {folder}" if not os.path.isdir(folder)
+        else f"the folder {folder} is not writable" if not os.access(folder, os.W_OK | os.X_OK)
+        else "the file is not writable" if os.path.exists(path) and not os.access(path, os.W_OK)
+        else None
+    )  # fmt: skip
+    if problem:
+        logger.warning("%s=%r: %s; no profile is written", PROFILE_VARIABLE, path, problem)
+        return None
+    return path
 
 
 def _device(opt) -> torch.device:
@@ -218,6 +245,7 @@ class Tuner:
         self.config, self.comm = config, comm
         self.ladder = config.ladder()
         self.pinned = pinned_link(config)
+        self.profile = profile_path(comm.set_rank == 0)  # None: write none
         # The step the measure phase begins at: the last MEASURE_STEPS of the plain steps.
         self.origin = max(config.start_iter - MEASURE_STEPS, 0)
         self.start = self.origin + MEASURE_STEPS  # the first compressed step
@@ -358,14 +386,28 @@ class Tuner:
 
     def _write_profile(self, trials: list[dict] | None = None) -> None:
         """The measurements (and the candidates' measured steps, once timed) to the file
-        HOROVOD_POWERSGD_PROFILE names, from the first rank: the ranks' means."""
-        profile = os.environ.get(PROFILE_VARIABLE)
-        if profile and self.comm.set_rank == 0:
-            data = self.measurements.to_dict()
-            if trials:
-                data["trials"] = trials  # bench.scale: compute under compression (docs/scale.md)
-            with open(profile, "w") as f:
+        HOROVOD_POWERSGD_PROFILE names, from the first rank: the ranks' means.
+
+        A diagnostic: a failure to write it is logged, never raised (this rank alone
+        writes, so an error here would end the job, or leave the others waiting)."""
+        if self.profile is None:
+            return
+        data = self.measurements.to_dict()
+        if trials:
+            data["trials"] = trials  # bench.scale: compute under compression (docs/scale.md)
+        temporary = f"{self.profile}.tmp{os.getpid()}"  # whole or not at all
+        try:
+            with open(temporary, "w") as f:
                 json.dump(data, f, indent=1)
+            os.replace(temporary, self.profile)
+        except OSError as error:
+            logger.warning(
+                "%s=%r: cannot write the profile (%s); no profile is written from now on",
+                PROFILE_VARIABLE, self.profile, error,
+            )  # fmt: skip
+            self.profile = None
+            with contextlib.suppress(OSError):
+                os.remove(temporary)
 
     def _plan(self, opt) -> None:
         self.measurements = self._gather(opt)

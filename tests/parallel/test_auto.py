@@ -287,6 +287,38 @@ def test_the_profile_carries_the_candidates_timed_steps(tmp_path, monkeypatch):
         assert planner.Measurements.from_dict(data).buckets  # still a profile
 
 
+@pytest.mark.parametrize("where", ["in a missing folder", "a folder", "removed after start"])
+def test_a_profile_that_cannot_be_written_is_logged_and_training_goes_on(
+    shared_dir, monkeypatch, caplog, where
+):
+    # A diagnostic never ends a job: the first rank alone writes the profile, so an
+    # error there would end the job, or leave the other ranks waiting for ever.
+    folder = os.path.join(shared_dir, "profiles")
+    os.makedirs(folder, exist_ok=True)  # every rank: the same folder (rank 0's)
+    path = {
+        "in a missing folder": os.path.join(shared_dir, "missing", "profile.json"),
+        "a folder": folder,
+        "removed after start": os.path.join(folder, "profile.json"),
+    }[where]
+    monkeypatch.setenv(tuner_module.PROFILE_VARIABLE, path)
+    model = make_model()
+    with caplog.at_level("WARNING", logger="horovod_powersgd"):
+        opt = auto(model)
+        if where == "removed after start":
+            hvd.allreduce(torch.zeros(1), name="profile.folder.seen")  # all built: remove it
+            if hvd.rank() == 0:
+                os.rmdir(folder)
+        train(model, opt, SETTLED + 2)  # measured, tried and settled: two profile writes
+    assert opt._tuner.phase == "settled"
+    assert_same_on_every_rank(model[0].weight, f"profile.{where}")
+    lines = [record.getMessage() for record in caplog.records]
+    about = [line for line in lines if tuner_module.PROFILE_VARIABLE in line]
+    # Said once, on the rank that would have written it, naming the file.
+    assert len(about) == (hvd.rank() == 0), about
+    assert all(repr(path) in line for line in about)
+    assert not os.path.isfile(path)
+
+
 def test_the_profiles_rest_is_the_step_beyond_its_communication(monkeypatch):
     # The rest of a step (forward, the optimizer) comes from the clean steps' own clock:
     # the plain step less its first gradient to its last arrival. Communication that the
