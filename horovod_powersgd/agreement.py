@@ -119,7 +119,10 @@ def signature(opt, optimizer_settings: bool = True) -> list[tuple]:
     """
     compression = getattr(opt.compression, "__qualname__", type(opt.compression).__name__)
     rows = [(opt._names[p], tuple(p.shape), str(p.dtype)) for p in opt._params]
-    rows.append(("config", repr(opt.config), str(opt.op), compression))
+    # Field by field, so that a difference is named (`_first_difference`).
+    settings = [(f.name, repr(getattr(opt.config, f.name))) for f in dataclasses.fields(opt.config)]
+    settings += [("op", str(opt.op)), ("compression", compression)]
+    rows.append(("config", tuple(settings)))
     rows.append(("link", opt._link_setting))
     if optimizer_settings:
         rows.append(("optimizer", opt._base.__qualname__))
@@ -200,7 +203,14 @@ def _first_difference(mine, other, my_rank, other_rank) -> str:
     for a, b in zip(mine, other):
         if a != b:
             if a[0] == "config":
-                return f"settings on rank {my_rank}: {a[1:]}; on rank {other_rank}: {b[1:]}"
+                theirs = dict(b[1])
+                differ = [
+                    f"{key}={value} on rank {my_rank}, {key}={theirs.get(key, 'unset')} on "
+                    f"rank {other_rank}"
+                    for key, value in a[1]
+                    if theirs.get(key) != value
+                ]
+                return "DistributedOptimizer's " + "; ".join(differ) + " (set them alike)"
             return (
                 f"parameter {a[0]!r} {a[1:]} on rank {my_rank}, "
                 f"{b[0]!r} {b[1:]} on rank {other_rank}"

@@ -313,8 +313,12 @@ def test_parameter_count_or_settings_that_differ_across_ranks_raise_on_every_ran
         layers.append(nn.Linear(10, 10))
     with pytest.raises(ValueError, match="differ across ranks"):
         powersgd(nn.Sequential(*layers))
-    with pytest.raises(ValueError, match="differ across ranks"):
-        powersgd(make_model(), rank=2 + hvd.rank())
+    # The setting that differs is named, with each rank's value, and nothing else.
+    with pytest.raises(ValueError, match="differ across ranks") as raised:
+        powersgd(make_model(), rank=2 + hvd.rank(), seed=5)
+    message = str(raised.value)
+    assert "rank=2 on rank " in message and "rank=3 on rank " in message, message
+    assert "seed" not in message and "min_compression_rate" not in message, message
 
 
 @pytest.mark.world_size(2)
