@@ -40,7 +40,20 @@ def __getattr__(name: str):
     if name in _NEEDS_HOROVOD:
         import importlib
 
-        value = getattr(importlib.import_module(f".{_NEEDS_HOROVOD[name]}", __name__), name)
+        try:
+            module = importlib.import_module(f".{_NEEDS_HOROVOD[name]}", __name__)
+        except ModuleNotFoundError as error:
+            if not (error.name or "").partition(".")[0] == "horovod":
+                raise
+            raise ModuleNotFoundError(
+                f"horovod_powersgd.{name} needs Horovod with PyTorch support, and "
+                f"{error.name!r} cannot be imported. Build Horovod against the installed "
+                "torch: in a checkout of horovod-powersgd, `make setup` (or `bash "
+                "scripts/bootstrap.sh`) builds Horovod 0.28.1 with the C++ standard "
+                "today's torch needs and caches the wheel; docs/usage.md says how by hand",
+                name=error.name,
+            ) from error
+        value = getattr(module, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
