@@ -190,6 +190,24 @@ def test_all_gathered_gradient_is_the_average_of_the_ranks_gradients():
     torch.testing.assert_close(emb.weight.grad.to_dense(), expected)
 
 
+def test_under_fp16_compression_all_gathered_sparse_values_keep_their_dtype():
+    # As Horovod sends them (and as the README says): Compression.fp16 halves what is
+    # all-reduced, not a sparse gradient's all-gathered values.
+    emb = nn.Embedding(10, 3, sparse=True)
+    opt = gathering(emb, torch.optim.SGD(emb.parameters(), lr=0.0),
+                    compression=hvd.Compression.fp16)  # fmt: skip
+    third = 1.0 / 3.0  # not a float16 number
+    for _ in range(2):
+        opt.zero_grad()
+        (emb(torch.tensor([[hvd.rank()]])) * third * (hvd.rank() + 1)).sum().backward()
+        opt.step()
+    expected = torch.zeros(10, 3)
+    for r in range(hvd.size()):
+        expected[r] = torch.tensor(third, dtype=torch.float32) * (r + 1) / hvd.size()
+    assert emb.weight.grad.is_sparse and emb.weight.grad.dtype == torch.float32
+    assert torch.equal(emb.weight.grad.to_dense(), expected)
+
+
 @pytest.mark.parametrize("kind", ["sgd", "sparse_adam"])
 def test_without_sparse_as_dense_a_rank_that_skips_the_embedding(kind):
     model = EmbeddingModel()
