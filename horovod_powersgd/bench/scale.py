@@ -20,6 +20,9 @@ costs; docs/scale.md gives its equations and assumptions. `--compute` scales
 every second of local work (backward, PowerSGD's work, the rest of the step):
 0.1 predicts a device ten times as fast as the one profiled (docs/scale.md says
 how to pick it).
+
+A profile carries its layout's version in "format" (`planner.PROFILE_FORMAT`; one
+without it, written before the field, reads as format 1; another is refused).
 """
 
 from __future__ import annotations
