@@ -176,51 +176,73 @@ class ShareLink:
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+_NUMBER = r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+CLUSTER_GRAMMAR = "NxL,intra=RATE/LATENCY,inter=RATE/LATENCY[,nics=K]"
 
 
 def parse_rate(text: str) -> float:
-    """Bytes per second from "25gbit", "100mbit", "12.5GB" (per second).
+    """Bytes per second from "25gbit", "100mbit", "12.5GB" (per second); > 0.
 
     Example:
         >>> parse_rate("25gbit"), parse_rate("2GB")
         (3125000000.0, 2000000000.0)
     """
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(bit|b)\s*", text, re.IGNORECASE)
-    if not match:
-        raise ValueError(f"a rate like '25gbit' or '12.5GB', got {text!r}")
-    value, unit, kind = float(match[1]), _UNITS[match[2].lower()], match[3]
-    return value * unit / 8 if kind.lower() == "bit" else value * unit
+    match = re.fullmatch(rf"\s*{_NUMBER}\s*([kmgt]?)(bit|b)\s*", text, re.IGNORECASE)
+    value = float(match[1]) * _UNITS[match[2].lower()] if match else 0.0
+    if not 0 < value < math.inf:
+        raise ValueError(f"expected a rate > 0 like '25gbit' or '12.5GB', got {text!r}")
+    return value / 8 if match[3].lower() == "bit" else value
 
 
 def parse_hop(text: str) -> Hop:
-    """A hop from "RATE/LATENCY", e.g. "25gbit/20us"."""
+    """A hop from "RATE/LATENCY", e.g. "25gbit/20us" (no latency: 0)."""
     rate, _, latency = text.partition("/")
-    match = re.fullmatch(r"\s*([0-9.]+)\s*(s|ms|us|ns)\s*", latency or "0us")
+    match = re.fullmatch(rf"\s*{_NUMBER}\s*(s|ms|us|ns)\s*", latency or "0us")
     if not match:
-        raise ValueError(f"a hop like '25gbit/20us', got {text!r}")
+        raise ValueError(f"expected a latency like '20us' (s, ms, us, ns), got {latency!r}")
     return Hop(float(match[1]) * _TIME[match[2]], parse_rate(rate))
 
 
 def parse_cluster(text: str) -> Cluster:
-    """A cluster from "NODESxPER_NODE,intra=RATE/LAT,inter=RATE/LAT[,nics=K]".
+    """A cluster from `CLUSTER_GRAMMAR`: N nodes of L workers, the hop inside a node and the
+    one between nodes (RATE/LATENCY, `parse_hop`), K NICs a node (1 unless given).
+
+    A ValueError names the part that is wrong and gives the grammar.
 
     Example:
         >>> c = parse_cluster("4x8,intra=100GB/2us,inter=25gbit/20us,nics=2")
         >>> c.workers, c.inter.bytes_per_s, c.nics
         (32, 3125000000.0, 2)
     """
-    shape, *fields = [part.strip() for part in text.split(",")]
+    shape, *parts = [part.strip() for part in text.split(",")]
     match = re.fullmatch(r"(\d+)x(\d+)", shape)
-    if not match:
-        raise ValueError(f"a cluster starts with NODESxPER_NODE, got {shape!r}")
-    values = dict(field.split("=", 1) for field in fields)
-    unknown = set(values) - {"intra", "inter", "nics"}
-    if unknown or not {"intra", "inter"} <= set(values):
-        raise ValueError(f"a cluster needs intra= and inter= (and may have nics=): {text!r}")
+    if not match or int(match[1]) < 1 or int(match[2]) < 1:
+        raise _wrong(shape, "expected NxL first, N nodes of L workers (integers >= 1)")
+    values = {}
+    for part in parts:
+        name, equals, value = part.partition("=")
+        if not equals or name not in ("intra", "inter", "nics"):
+            raise _wrong(part, "expected intra=RATE/LATENCY, inter=RATE/LATENCY or nics=K")
+        if name in values:
+            raise _wrong(part, f"{name}= given twice")
+        if name == "nics" and not (re.fullmatch(r"[0-9]+", value) and int(value) >= 1):
+            raise _wrong(part, "expected K, the NICs a node, an integer >= 1")
+        values[name] = int(value) if name == "nics" else _hop_of(part, value)
+    missing = [name for name in ("intra", "inter") if name not in values]
+    if missing:
+        raise _wrong(text, f"no {missing[0]}= part")
     return Cluster(
-        int(match[1]),
-        int(match[2]),
-        parse_hop(values["intra"]),
-        parse_hop(values["inter"]),
-        int(values.get("nics", 1)),
+        int(match[1]), int(match[2]), values["intra"], values["inter"], values.get("nics", 1)
     )
+
+
+def _hop_of(part: str, value: str) -> Hop:
+    try:
+        return parse_hop(value)
+    except ValueError as error:
+        raise _wrong(part, str(error)) from None
+
+
+def _wrong(part: str, problem: str) -> ValueError:
+    """A cluster's bad `part`: what is wrong with it, then the whole grammar."""
+    return ValueError(f"{part!r}: {problem}; a cluster is {CLUSTER_GRAMMAR}")

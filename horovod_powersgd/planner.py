@@ -34,10 +34,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 PLAIN = 0
+# The layout of a profile (`Measurements.to_dict`), written in its "format". A profile
+# without "format" has this layout too: it was written before the field.
+PROFILE_FORMAT = 1
 
 
 @dataclass(frozen=True)
@@ -177,8 +181,10 @@ class Measurements:
         )
 
     def to_dict(self) -> dict:
-        """A JSON-ready profile of the job (`from_dict` reads it back)."""
+        """A JSON-ready profile of the job (`from_dict` reads it back), `PROFILE_FORMAT` in
+        its "format"."""
         return {
+            "format": PROFILE_FORMAT,
             "rounds": self.rounds,
             "backward_s": self.backward_s,
             "step_s": self.step_s,
@@ -205,26 +211,162 @@ class Measurements:
 
     @staticmethod
     def from_dict(data: dict) -> Measurements:
-        buckets = tuple(
-            Bucket(
-                b["ready_s"],
-                b["plain_bytes"],
-                {int(r): Option(**o) for r, o in b["options"].items()},
-                tuple(
-                    Tensor(n, size, wire, {int(r): tuple(f) for r, f in factors.items()})
-                    for n, size, wire, factors in b.get("tensors", [])
-                ),
+        """The job back from a profile (`to_dict`'s, with the "trials" rank="auto" adds).
+
+        The one check of a profile: a ValueError names the first field that is missing
+        or out of range by its path ("buckets[3].ready_s: expected a finite number >= 0,
+        got 'x'"). A "format" other than `PROFILE_FORMAT` is refused; a profile without
+        one is read as this layout (it was written before the field).
+
+        Example:
+            >>> Measurements.from_dict({"format": 9, "rounds": 2})
+            Traceback (most recent call last):
+            ...
+            ValueError: format: 9 is not supported (this version reads format 1, or none: ...)
+        """
+        data = _object(data, "the profile")
+        version = data.get("format", PROFILE_FORMAT)
+        if not _is_integer(version) or version != PROFILE_FORMAT:
+            raise ValueError(
+                f"format: {_shown(version)} is not supported (this version reads format "
+                f"{PROFILE_FORMAT}, or none: a profile from before the field)"
             )
-            for b in data["buckets"]
-        )
+        rounds = _field(data, "rounds", "", _integer)
+        _expect(rounds in (1, 2), "rounds", "1 or 2", rounds)
+        link = _field(data, "link", "", _object)
+        listed = _field(data, "buckets", "", _list)
+        _expect(listed, "buckets", "at least one bucket", listed)
+        buckets = tuple(_bucket(b, f"buckets[{i}]") for i, b in enumerate(listed))
+        for i, trial in enumerate(_field(data, "trials", "", _list, [])):
+            path = f"trials[{i}]"
+            _field(_object(trial, path), "step_s", path, _positive)
+            plan = _field(trial, "plan", path, _list)
+            ok = len(plan) == len(buckets) and all(_is_integer(r) and r >= 0 for r in plan)
+            _expect(ok, f"{path}.plan", f"a rank >= 0 for each of the {len(buckets)} buckets", plan)
         return Measurements(
             buckets,
-            data["backward_s"],
-            data["step_s"],
-            Link(**data["link"]),
-            data["rounds"],
-            data["rest_s"],
+            _field(data, "backward_s", "", _number),
+            _field(data, "step_s", "", _positive),
+            Link(
+                _field(link, "latency_s", "link", _number),
+                _field(link, "bytes_per_s", "link", _rate),
+            ),
+            rounds,
+            _field(data, "rest_s", "", _number),
         )
+
+
+# Reading a profile back (`Measurements.from_dict`): each reader takes a JSON value and
+# its path in the profile, and returns the value or raises a ValueError naming the path.
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _expect(ok: bool, path: str, expected: str, value) -> None:
+    if not ok:
+        raise ValueError(f"{path}: expected {expected}, got {_shown(value)}")
+
+
+def _is_integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON's true is no count
+
+
+def _is_real(value) -> bool:
+    """A JSON number Python can take as a float (NaN and the infinities included)."""
+    return isinstance(value, float) or (_is_integer(value) and abs(value) <= sys.float_info.max)
+
+
+def _field(data: dict, key: str, path: str, read, default=dataclasses.MISSING):
+    """`data[key]` through `read`; where missing, `default`, or a ValueError naming it."""
+    here = f"{path}.{key}" if path else key
+    if key in data:
+        return read(data[key], here)
+    if default is dataclasses.MISSING:
+        raise ValueError(f"{here}: missing")
+    return default
+
+
+def _object(value, path: str) -> dict:
+    _expect(isinstance(value, dict), path, "a JSON object", value)
+    return value
+
+
+def _list(value, path: str) -> list:
+    _expect(isinstance(value, list), path, "a list", value)
+    return value
+
+
+def _integer(value, path: str) -> int:
+    _expect(_is_integer(value) and value >= 1, path, "an integer >= 1", value)
+    return value
+
+
+def _number(value, path: str) -> float:
+    """Seconds or bytes: finite, >= 0 (NaN is neither)."""
+    ok = _is_real(value) and math.isfinite(value) and value >= 0
+    _expect(ok, path, "a finite number >= 0", value)
+    return float(value)
+
+
+def _positive(value, path: str) -> float:
+    ok = _is_real(value) and math.isfinite(value) and value > 0
+    _expect(ok, path, "a finite number > 0", value)
+    return float(value)
+
+
+def _rate(value, path: str) -> float:
+    """Bytes per second: > 0; Infinity where the fit found no cost per byte (`Link.fit`)."""
+    _expect(_is_real(value) and value > 0, path, "a number > 0 (or Infinity)", value)
+    return float(value)
+
+
+def _ranks(value, path: str, read) -> dict:
+    """A JSON object of rank (its keys, as text) -> value, each through `read`."""
+    out = {}
+    for key, item in _object(value, path).items():
+        rank = key.isascii() and key.isdigit() and int(key) >= 1
+        _expect(rank, f"{path} key", "a rank >= 1", key)
+        out[int(key)] = read(item, f"{path}.{key}")
+    return out
+
+
+def _option(value, path: str) -> Option:
+    data = _object(value, path)
+    fields = dataclasses.fields(Option)  # the later ones have defaults: older profiles lack them
+    return Option(**{f.name: _field(data, f.name, path, _number, f.default) for f in fields})
+
+
+def _factors(value, path: str) -> tuple[float, float]:
+    pair = isinstance(value, (list, tuple)) and len(value) == 2  # a tuple: `to_dict`'s own
+    _expect(pair, path, "[P bytes, Q bytes]", value)
+    return _number(value[0], f"{path}[0]"), _number(value[1], f"{path}[1]")
+
+
+def _tensor(value, path: str) -> Tensor:
+    shape = isinstance(value, list) and len(value) == 4
+    _expect(shape, path, "[numel, element bytes, wire bytes, {rank: [P, Q]}]", value)
+    numel, element_bytes, wire_bytes, factors = value
+    _expect(_is_integer(numel) and numel >= 0, f"{path}[0]", "an integer >= 0", numel)
+    return Tensor(
+        numel,
+        _integer(element_bytes, f"{path}[1]"),
+        _number(wire_bytes, f"{path}[2]"),
+        _ranks(factors, f"{path}[3]", _factors),
+    )
+
+
+def _bucket(value, path: str) -> Bucket:
+    data = _object(value, path)
+    tensors = _field(data, "tensors", path, _list, [])  # none in profiles before their sizes
+    return Bucket(
+        _field(data, "ready_s", path, _number),
+        _field(data, "plain_bytes", path, _number),
+        _ranks(_field(data, "options", path, _object), f"{path}.options", _option),
+        tuple(_tensor(t, f"{path}.tensors[{i}]") for i, t in enumerate(tensors)),
+    )
 
 
 def _timeline(m: Measurements, plan: Sequence[int]) -> float:

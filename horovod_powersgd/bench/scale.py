@@ -20,19 +20,28 @@ costs; docs/scale.md gives its equations and assumptions. `--compute` scales
 every second of local work (backward, PowerSGD's work, the rest of the step):
 0.1 predicts a device ten times as fast as the one profiled (docs/scale.md says
 how to pick it).
+
+A profile carries its layout's version in "format" (`planner.PROFILE_FORMAT`; one
+without it, written before the field, reads as format 1; another is refused). A bad
+input ends the CLI before any work with one line naming it (exit status 2).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
+import math
+import os
+import re
 import statistics
 import sys
 
 from .. import planner, shares
 from ..collectives import (
     ALGORITHMS,
+    CLUSTER_GRAMMAR,
     ClusterLink,
     ShareLink,
     collective_s,
@@ -294,41 +303,165 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None) -> int:
+def _argument(read):
+    """`read` as an argparse type: the message of its ValueError is the error line."""
+
+    def parse(text: str):
+        try:
+            return read(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return parse
+
+
+def _each(read):
+    """Comma-separated values, each through `read` (an error names the list too)."""
+
+    def parse(text: str) -> list:
+        try:
+            return [read(part.strip()) for part in text.split(",")]
+        except ValueError as error:
+            raise ValueError(f"{error} (in {text!r})" if "," in text else str(error)) from None
+
+    return parse
+
+
+def _count(text: str) -> int:
+    if not re.fullmatch(r"[0-9]+", text) or int(text) < 1:
+        raise ValueError(f"expected worker counts >= 1 like '2,8,64', got {text!r}")
+    return int(text)
+
+
+def _checked(parse):
+    """The text itself, once `parse` takes it (the work parses it again)."""
+
+    def check(text: str) -> str:
+        parse(text)
+        return text
+
+    return check
+
+
+def _factor(text: str, expected: str = "a factor > 0 like 0.1") -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise ValueError(f"expected {expected}, got {text!r}")
+    return value
+
+
+def _compressed(text: str) -> float | str:
+    return text if text == "trials" else _factor(text, 'a factor > 0 like 1.4, or "trials"')
+
+
+def _output(path: str) -> str:
+    """A file written after the work: refused before it where it cannot be written."""
+    folder = os.path.dirname(path) or "."
+    if os.path.isdir(path):
+        raise ValueError(f"{path!r} is a folder, not a file")
+    if not os.path.isdir(folder):
+        raise ValueError(f"no folder {folder!r} to write {path!r} in")
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        raise ValueError(f"{path!r} cannot be written (permissions)")
+    return path
+
+
+def _profile(path: str) -> tuple[planner.Measurements, list[dict]]:
+    """The profile at `path` and the trials rank="auto" timed (a ValueError says what is
+    wrong: the file, its JSON, or the field `planner.Measurements.from_dict` names)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as error:
+        raise ValueError(f"cannot read {path!r}: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path!r} is not JSON text") from None
+    if not text.strip():
+        raise ValueError(f"{path!r} is empty")
+    try:
+        data = json.loads(text)
+        return planner.Measurements.from_dict(data), data.get("trials", [])
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path!r} is not JSON: {error}") from None
+    except ValueError as error:
+        raise ValueError(f"{path!r}: {error}") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The CLI's arguments; each type refuses a bad value with one line naming it."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", required=True, help="a HOROVOD_POWERSGD_PROFILE file")
     parser.add_argument(
         "--cluster",
         required=True,
-        help='nodes of the cluster: "NxL,intra=RATE/LATENCY,inter=RATE/LATENCY[,nics=K]"',
+        type=_argument(_checked(parse_cluster)),
+        help=f'nodes of the cluster: "{CLUSTER_GRAMMAR}"',
     )
-    parser.add_argument("--workers", default="2,4,8,16,32,64,128,256,512,1024")
-    parser.add_argument("--bandwidths", default="1gbit,10gbit,25gbit,100gbit")
-    parser.add_argument("--compute", type=float, default=1.0, help="time scale of local work")
+    parser.add_argument(
+        "--workers",
+        type=_argument(_each(_count)),
+        default="2,4,8,16,32,64,128,256,512,1024",
+        help="worker counts: at most L, or whole nodes of L (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--bandwidths",
+        type=_argument(_each(_checked(parse_rate))),
+        default="1gbit,10gbit,25gbit,100gbit",
+        help="inter-node rates, each per NIC (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--compute", type=_argument(_factor), default=1.0, help="time scale of local work (> 0)"
+    )
     parser.add_argument(
         "--compressed-compute",
+        type=_argument(_compressed),
         default="1",
         help="time scale of compressing configurations' compute on top of --compute: a "
         'factor, or "trials": from the compressed steps the profiled job timed (workers '
         "sharing cores; docs/scale.md)",
     )
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="nccl")
-    parser.add_argument("--json", help="write the rows here")
-    parser.add_argument("--plot", help="write a PNG of the speedups here")
+    parser.add_argument("--json", type=_argument(_output), help="write the rows here")
+    parser.add_argument(
+        "--plot", type=_argument(_output), help="write a PNG of the speedups here (matplotlib)"
+    )
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
-    with open(args.profile) as f:
-        data = json.load(f)
-    measured = planner.Measurements.from_dict(data)
-    if args.compressed_compute == "trials":
-        squeeze = compute_under_compression(measured, data.get("trials", []))
+    # What the arguments' types cannot check alone, checked before the work too: a bad
+    # input ends with parser.error's one line (exit status 2), never half-way through.
+    try:
+        measured, trials = _profile(args.profile)
+    except ValueError as error:
+        parser.error(f"argument --profile: {error}")
+    squeeze = args.compressed_compute
+    if squeeze == "trials":
+        squeeze = compute_under_compression(measured, trials)
         if squeeze is None:
-            parser.error(f'{args.profile} has no compressed step timed by rank="auto"')
-    else:
-        squeeze = float(args.compressed_compute)
-    profile = measured.scaled(args.compute)
+            parser.error(
+                f"argument --compressed-compute: {args.profile!r} has no compressed step "
+                'timed by rank="auto" (no "trials"): give a factor'
+            )
     cluster = parse_cluster(args.cluster)
-    workers = [int(w) for w in args.workers.split(",")]
-    rows = table(profile, cluster, workers, args.bandwidths.split(","), args.algorithm, squeeze)
+    for count in args.workers:
+        try:
+            cluster.with_workers(count)
+        except ValueError as error:
+            per_node = cluster.per_node
+            parser.error(
+                f"argument --workers: {error} (--cluster's L): give {per_node} or fewer, "
+                f"or a multiple of {per_node}"
+            )
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error("argument --plot: needs matplotlib (pip install matplotlib)")
+    profile = measured.scaled(args.compute)
+    rows = table(profile, cluster, args.workers, args.bandwidths, args.algorithm, squeeze)
     print(
         f"Profile {args.profile} (rounds={profile.rounds}, {len(profile.buckets)} buckets, "
         f"compute x{args.compute:g}"
