@@ -56,8 +56,9 @@ _instances: dict = collections.defaultdict(itertools.count)
 _POLL_INTERVAL_S = 100e-6
 
 
-def _translated(horovod_call):
-    """`horovod_call`, raising HorovodInternalError where Horovod lost a process set.
+def _translated(owner, name: str):
+    """`owner.name` (looked up at each call, as a test may replace it), raising
+    HorovodInternalError where Horovod lost a process set.
 
     Once Horovod has stopped (a rank ended or failed), it clears its process sets
     before it checks whether it stopped, so a call over any set but the global one
@@ -69,7 +70,7 @@ def _translated(horovod_call):
 
     def call(*args, **kwargs):
         try:
-            return horovod_call(*args, **kwargs)
+            return getattr(owner, name)(*args, **kwargs)
         except ValueError as error:
             raise _gone(error)  # noqa: B904 (the original, or one whose cause it is)
 
@@ -88,16 +89,16 @@ def _gone(error: ValueError) -> Exception:
 
 
 # The Horovod calls of an optimizer's process set (see `_translated`).
-_grouped_allreduce_async_ = _translated(hvd.grouped_allreduce_async_)
-_grouped_reducescatter_async = _translated(hvd.grouped_reducescatter_async)
-_grouped_allgather_async = _translated(hvd.grouped_allgather_async)
-_allgather_async = _translated(hvd.allgather_async)
-_allgather = _translated(hvd.allgather)
-_allreduce = _translated(hvd.allreduce)
-_broadcast_object = _translated(hvd.broadcast_object)
-_broadcast_async_ = _translated(hvd.broadcast_async_)
-_set_size = _translated(hvd.ProcessSet.size)
-_set_rank = _translated(hvd.ProcessSet.rank)
+_grouped_allreduce_async_ = _translated(hvd, "grouped_allreduce_async_")
+_grouped_reducescatter_async = _translated(hvd, "grouped_reducescatter_async")
+_grouped_allgather_async = _translated(hvd, "grouped_allgather_async")
+_allgather_async = _translated(hvd, "allgather_async")
+_allgather = _translated(hvd, "allgather")
+_allreduce = _translated(hvd, "allreduce")
+_broadcast_object = _translated(hvd, "broadcast_object")
+_broadcast_async_ = _translated(hvd, "broadcast_async_")
+_set_size = _translated(hvd.ProcessSet, "size")
+_set_rank = _translated(hvd.ProcessSet, "rank")
 
 
 def wait(handle):
