@@ -12,6 +12,10 @@ Horovod's on the same model, and reports the difference: the library's ops.
 One process is enough (Horovod at size 1; under mpirun every rank counts its
 own). The "local work" time is the CPU time of the library's step over
 Horovod's, median of the steps timed.
+
+Ops are not kernels: a view launches none, and a CUDA linear-algebra op may loop
+over its batch (`kernels_of`), so each row also counts the kernels a CUDA step
+would launch at least, the GPU cost of the eager local work.
 """
 
 from __future__ import annotations
@@ -58,20 +62,56 @@ class ShapesModel(torch.nn.Module):
         return sum((w * d).sum() for w, d in zip(self.weights, self.directions)) * scale
 
 
+# Ops that launch no kernel on a GPU besides views: allocations without a fill, and
+# changes of a tensor's metadata.
+NO_KERNEL = frozenset(
+    {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view",
+     "set_", "resize_", "lift_fresh"}
+)  # fmt: skip
+# Ops that CUDA runs matrix by matrix over a batch (cuSOLVER: `geqrf` per matrix past
+# n = 256, `orgqr` always; SVD and eigh past small sizes): at least one launch a matrix.
+PER_MATRIX = frozenset(
+    {"linalg_qr", "geqrf", "orgqr", "linalg_householder_product", "ormqr", "linalg_svd",
+     "_linalg_svd", "linalg_eigh", "_linalg_eigh", "linalg_lstsq", "linalg_inv_ex"}
+)  # fmt: skip
+
+
+def kernels_of(func, args) -> int:
+    """Kernel launches a CUDA op would make, at least: 0 for a view or an allocation,
+    one a matrix for `PER_MATRIX` ops, 1 for everything else."""
+    name = func.overloadpacket.__name__
+    if func.is_view or name in NO_KERNEL:
+        return 0
+    if name in PER_MATRIX and args and isinstance(args[0], torch.Tensor):
+        matrices = 1
+        for size in args[0].shape[:-2]:
+            matrices *= size
+        return max(matrices, 1)
+    return 1
+
+
 class OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched while active, by name."""
+    """Counts the aten ops dispatched while active, by name, and the kernels they would
+    launch on CUDA (`kernels_of`)."""
 
     def __init__(self):
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
+        self.kernels: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket.__name__)] += 1
+        name = str(func.overloadpacket.__name__)
+        self.ops[name] += 1
+        self.kernels[name] += kernels_of(func, args)
         return func(*args, **(kwargs or {}))
 
     @property
     def total(self) -> int:
         return sum(self.ops.values())
+
+    @property
+    def total_kernels(self) -> int:
+        return sum(self.kernels.values())
 
 
 def _step(model, opt, step: int) -> None:
@@ -96,7 +136,13 @@ def measure(make_optimizer, shapes, steps: int = 6, timed: int = 5) -> dict:
         times.append(time.process_time() - start)
     times.sort()
     median_ms = 1e3 * times[len(times) // 2] if times else float("nan")
-    return {"ops": counter.total, "by_op": dict(counter.ops), "cpu_ms": median_ms}
+    return {
+        "ops": counter.total,
+        "by_op": dict(counter.ops),
+        "kernels": counter.total_kernels,
+        "kernels_by_op": dict(counter.kernels),
+        "cpu_ms": median_ms,
+    }
 
 
 def library_ops(rank: int, rounds: int, shapes=None, timed: int = 5, **settings) -> dict:
@@ -124,12 +170,18 @@ def library_ops(rank: int, rounds: int, shapes=None, timed: int = 5, **settings)
     mine, base = measure(ours, shapes, timed=timed), measure(horovods, shapes, timed=timed)
     extra = collections.Counter(mine["by_op"])
     extra.subtract(base["by_op"])
+    extra_kernels = collections.Counter(mine["kernels_by_op"])
+    extra_kernels.subtract(base["kernels_by_op"])
     return {
         "rank": rank,
         "rounds": rounds,
         "ops": mine["ops"],
         "horovod_ops": base["ops"],
         "extra_ops": mine["ops"] - base["ops"],
+        "kernels": mine["kernels"],
+        "horovod_kernels": base["kernels"],
+        "extra_kernels": mine["kernels"] - base["kernels"],
+        "top_kernels": dict(extra_kernels.most_common(8)),
         "cpu_ms": round(mine["cpu_ms"], 2),
         "horovod_cpu_ms": round(base["cpu_ms"], 2),
         "extra_cpu_ms": round(mine["cpu_ms"] - base["cpu_ms"], 2),
@@ -153,12 +205,16 @@ def main(argv=None) -> None:
         for rank in args.ranks.split(",")
     ]
     if hvd.rank() == 0:
-        print("ResNet-50's shapes, one steady-state step, ops over Horovod's optimizer (CPU)")
-        print("| rank | rounds | ops over Horovod's | Horovod's step | CPU ms over Horovod's |")
-        print("| --- | --- | --- | --- | --- |")
+        print("ResNet-50's shapes, one steady-state step, over Horovod's optimizer (CPU)")
+        print(
+            "| rank | rounds | ops over Horovod's | CUDA kernels over Horovod's (at least) "
+            "| Horovod's step: ops / kernels | CPU ms over Horovod's |"
+        )
+        print("| --- | --- | --- | --- | --- | --- |")
         for row in rows:
             print(
-                f"| {row['rank']} | {row['rounds']} | {row['extra_ops']} | {row['horovod_ops']} "
+                f"| {row['rank']} | {row['rounds']} | {row['extra_ops']} | "
+                f"{row['extra_kernels']} | {row['horovod_ops']} / {row['horovod_kernels']} "
                 f"| {row['extra_cpu_ms']:.1f} |"
             )
         if args.json:
