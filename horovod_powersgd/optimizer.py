@@ -8,11 +8,11 @@ One step, in the order it runs (rounds=2; docs/architecture.md lists each functi
       reducer.ready(p)              compressor.compress (M = grad + e, P = M·Q̂), the
                                     statistics' gradient norm; once p's bucket is complete,
                                     its first round leaves (reducer._launch: P and the
-                                    uncompressed gradients, one grouped all-reduce); the Q
-                                    round of every bucket whose P is back (reducer._second_round:
-                                    compressor.project, all-reduce, compressor.update_error)
+                                    uncompressed gradients, one grouped all-reduce)
     optimizer.step()
-      optimizer.synchronize()       reducer.finish: the remaining rounds, then
+      optimizer.synchronize()       reducer.finish: every bucket's P back; the Q round of
+                                    all buckets at once (reducer._q_round: compressor.project,
+                                    one grouped all-reduce, compressor.update_error); then
                                     compressor.decompress into p.grad (grad = P̂·Q_avgᵀ);
                                     the step counter; monitor.end_step
       the wrapped optimizer's step  on the aggregated gradients

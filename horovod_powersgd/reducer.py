@@ -9,10 +9,11 @@ those of a `comm.Comm`. A step, as the optimizer drives it:
     begin(done)                # a new step: PowerSGD after `done` >= 0 compressed
                                # steps, else a plain all-reduce (warm-up)
     ready(p)                   # p.grad is final: compress it; once its bucket is
-                               # complete, the bucket's first round leaves;
-                               # rounds=2 also starts the Q round of every
-                               # bucket whose P round is back
-    finish()                   # the rest of the rounds; p.grad holds the aggregates
+                               # complete, the bucket's first round leaves
+    finish()                   # the rest: every first round back (one round trip:
+                               # all left during backward); rounds=2 then every
+                               # bucket's Q in one grouped all-reduce, one wait;
+                               # p.grad holds the aggregates
 
 How a bucket's gradients travel is decided per bucket: `Bucket.compressed`
 (sent as P and Q) and `Bucket.uncompressed` (sent as they are, in the step's
@@ -129,24 +130,41 @@ class Reducer:
         bucket.ready += 1
         if bucket.ready == len(bucket.params) and bucket.dense:  # else all sent elsewhere
             self._launch(bucket)
-        if self.two_rounds and self.compressing:
-            for b in self.launched:  # the Q round of every bucket whose P is back
-                if b.factor_count and len(b.handles) == 1 and self.comm.poll(b.handles[0]):
-                    self._second_round(b)
 
     def finish(self) -> None:
-        """Complete every round; afterwards each `p.grad` holds its aggregate (then `reset`)."""
-        two_rounds = self.compressing and self.two_rounds
-        for bucket in self.sending:
-            if two_rounds and bucket.factor_count and len(bucket.handles) == 1:
-                self._second_round(bucket)
-        for bucket in self.sending:
-            last = self.comm.wait(bucket.handles[-1])
-            if len(bucket.handles) == 1:  # one round: the factors lead, the uncompressed follow
-                bucket.received, last = last[bucket.factor_count :], last[: bucket.factor_count]
+        """Complete every round; afterwards each `p.grad` holds its aggregate (then `reset`).
+
+        Two dependent rounds at most after backward, whatever the number of buckets:
+        every first round left during backward, so waiting for them all is one round
+        trip; rounds=2 then sends every bucket's Q in one grouped all-reduce and waits
+        once (`_q_round`). Not Q by Q as each P comes back: each would be a wait of its
+        own, and a request alone in a cycle of Horovod's.
+        """
+        firsts = [self.comm.wait(bucket.handles[0]) for bucket in self.sending]
+        # Each first round: the factors (rounds=1: the only round) lead, the uncompressed follow.
+        for bucket, first in zip(self.sending, firsts):
+            bucket.received = first[bucket.factor_count :]
+        factors = [first[: bucket.factor_count] for bucket, first in zip(self.sending, firsts)]
+        if self.compressing and self.two_rounds and any(factors):
+            factors = self._q_round(factors)
+        for bucket, last in zip(self.sending, factors):
             self._receive_uncompressed(bucket, bucket.received)
             if bucket.factor_count:
                 self._decompress(bucket, last)
+
+    def _q_round(self, p_sums: list) -> list:
+        """rounds=2: for every bucket, P̂ = orth(ΣP) and Q_w = Mᵀ·P̂; all of them in one
+        grouped all-reduce (the same buckets on every rank: those with factors), the
+        error updates while it runs; returns each bucket's averaged Q buffers."""
+        qs = [
+            self.compressor.project(p, b.index) if p else [] for b, p in zip(self.sending, p_sums)
+        ]
+        handle = self.comm.allreduce_async([t for q in qs for t in q], "q")
+        for bucket in self.sending:
+            if bucket.factor_count:
+                self.compressor.update_error(bucket.index)
+        averaged = iter(self.comm.wait(handle))
+        return [[next(averaged) for _ in q] for q in qs]
 
     def reset(self) -> None:
         """Forget the step in progress (after it, or when the optimizer loads a state)."""
@@ -179,10 +197,6 @@ class Reducer:
         tensors = factors + [t for _, t, _ in bucket.sent]
         bucket.handles = [self.comm.allreduce_async(tensors, f"b{bucket.index}.r1")]
         self.launched.append(bucket)
-
-    def _second_round(self, bucket: Bucket) -> None:
-        """rounds=2: P is back; orthogonalise it and send Q (the error update overlaps)."""
-        self._send_q(bucket, self.comm.wait(bucket.handles[0]), self.comm)
 
     def _send_q(self, bucket: Bucket, outputs, comm) -> None:
         """`outputs`: the bucket's summed P factors, then its uncompressed tensors. Send

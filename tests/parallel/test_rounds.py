@@ -184,3 +184,30 @@ def test_every_send_pattern_in_one_bucket(schedule):
                 assert error < (1e-3 if schedule == 2 else 1e-4), (step, n, float(error))
         with opt.skip_synchronize():
             opt.step()
+
+
+@pytest.mark.parametrize("rounds", [2, 1])
+def test_after_backward_a_step_makes_at_most_one_more_round_of_collectives(rounds, monkeypatch):
+    # Every bucket's first round leaves during backward. After it, rounds=2 sends all
+    # the buckets' Q in one grouped all-reduce once every P is back, and waits once
+    # more: two dependent rounds in all, however many buckets (Q by Q, as each P came
+    # back, was a wait and a lone request per bucket); rounds=1 sends nothing more.
+    monkeypatch.setattr(reducer_module, "BUCKET_BYTES", 2048)  # several buckets
+    model = make_model()
+    opt = powersgd(model, rank=2, rounds=rounds)
+    train(model, opt, steps=4)  # past the first step's agreements and checks
+    comm, events = opt._comm, []
+    launch, wait = comm.allreduce_async, comm.wait
+    monkeypatch.setattr(comm, "allreduce_async", lambda t, n: events.append("send") or launch(t, n))
+    monkeypatch.setattr(comm, "wait", lambda handle: events.append("wait") or wait(handle))
+    x, y = batch(4)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    buckets = events.count("send")
+    assert buckets >= 3 and "wait" not in events, events  # all first rounds, no wait yet
+    del events[:]
+    opt.step()
+    # The first rounds' waits, then (rounds=2) one request and its one wait.
+    expected = ["wait"] * buckets + (["send", "wait"] if rounds == 2 else [])
+    assert events == expected, events
+    assert_same_on_every_rank(model[0].weight, f"waits.rounds{rounds}")
