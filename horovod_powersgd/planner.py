@@ -42,6 +42,14 @@ PLAIN = 0
 # The layout of a profile (`Measurements.to_dict`), written in its "format". A profile
 # without "format" has this layout too: it was written before the field.
 PROFILE_FORMAT = 1
+# A profile is read (bench.scale) only where the model's plain step on the link it was
+# measured on is within this band of its measured step (`Measurements.consistency`,
+# predicted / measured). The 33 profiles taken on this machine's CPUs (docs/results/)
+# give 0.875-1.323: the least where the fitted link misses part of the real one (two
+# nodes), the most where it is slower than the real one (workers sharing cores). The
+# two taken by one rank on an H200 before the tuner timed the device give 0.52 and 0.63
+# on no link (1.61 and 1.27 on the link they fitted, which absorbed the device's lag).
+CONSISTENT = (0.75, 1.5)
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,10 @@ class Link:
             return Link(latency_s=max(mean_y, 0.0), bytes_per_s=math.inf)
         latency = max(mean_y - slope * mean_x, 0.0)
         return Link(latency_s=latency, bytes_per_s=1.0 / slope)
+
+
+# A link that costs nothing: where one worker sends nothing (`Measurements.measured_on`).
+FREE = Link(latency_s=0.0, bytes_per_s=math.inf)
 
 
 @dataclass(frozen=True)
@@ -140,11 +152,52 @@ class Measurements:
     # measures it (the plain step less its first gradient to its last arrival). None:
     # the plain step less the modelled plain timeline on `link` (a synthetic profile).
     rest_s: float | None = None
+    # How many workers the job ran on (None: not recorded). With one there was nothing
+    # to send: `link` is Horovod's one-rank all-reduce (a copy and a cycle), not a link.
+    workers: int | None = None
 
     def __post_init__(self):
         if self.rest_s is None:
-            plain = _timeline(self, [PLAIN] * len(self.buckets))
-            object.__setattr__(self, "rest_s", max(self.step_s - plain, 0.0))
+            object.__setattr__(self, "rest_s", self._rest_on(self.link))
+
+    def _rest_on(self, link) -> float:
+        """The measured step less the model's plain timeline on `link` (at least 0)."""
+        return max(self.step_s - _timeline(self, [PLAIN] * len(self.buckets), link), 0.0)
+
+    def measured_on(self) -> Link:
+        """The link the job's all-reduces crossed: the fitted `link`, or a free one where
+        the job ran on one worker (it sent nothing)."""
+        return FREE if self.workers == 1 else self.link
+
+    def consistency(self) -> float:
+        """The model's plain step on the link the job was measured on (`measured_on`),
+        over its measured `step_s`: whether the profile's parts add up to its own step.
+
+        About 1 for a sound profile; `CONSISTENT` bounds it. Far below 1 where the
+        backward window was the host's queueing of the device's work, not the device's
+        (a CUDA profile from before the tuner timed the device): what the device still
+        had to do lies in the wait for the last all-reduce, which the model takes for
+        the link's and a faster link removes. Ask it of a profile as measured: its `link`
+        is taken for the one it was measured on (`with_link` puts another there), and
+        `scaled` leaves the link as it is. A `rest_s` of None was derived on `link` to
+        make this 1 there (or above, where the modelled timeline alone exceeds the
+        step): the check then says nothing unless `measured_on` is another link. Where
+        one rank's fitted link absorbed the device's lag too, only `workers` (1) tells.
+
+        Example:
+            >>> b = Bucket(ready_s=0.01, plain_bytes=1e6)
+            >>> lagging = Measurements((b,), 0.01, 0.04, Link(0.02, 1e9), rest_s=0.01, workers=1)
+            >>> round(lagging.consistency(), 2), lagging.corrected().consistency()
+            (0.5, 1.0)
+        """
+        plain = [PLAIN] * len(self.buckets)
+        return predict(self.with_link(self.measured_on()), plain) / self.step_s
+
+    def corrected(self) -> Measurements:
+        """The same job with `rest_s` such that its plain step on the link it was measured
+        on is its measured step (no less than 0: where the modelled timeline alone is
+        longer than the step, it stays longer and the profile stays inconsistent)."""
+        return dataclasses.replace(self, rest_s=self._rest_on(self.measured_on()))
 
     def with_link(self, link) -> Measurements:
         """The same job planned for another link (the rest of the step as measured).
@@ -189,6 +242,7 @@ class Measurements:
             "backward_s": self.backward_s,
             "step_s": self.step_s,
             "rest_s": self.rest_s,
+            **({} if self.workers is None else {"workers": self.workers}),
             "link": {"latency_s": self.link.latency_s, "bytes_per_s": self.link.bytes_per_s},
             "buckets": [
                 {
@@ -253,6 +307,7 @@ class Measurements:
             ),
             rounds,
             _field(data, "rest_s", "", _number),
+            _field(data, "workers", "", _integer, None),
         )
 
 
@@ -369,23 +424,25 @@ def _bucket(value, path: str) -> Bucket:
     )
 
 
-def _timeline(m: Measurements, plan: Sequence[int]) -> float:
-    """Seconds from the first gradient until both the hooks' work and the link are done."""
+def _timeline(m: Measurements, plan: Sequence[int], on=None) -> float:
+    """Seconds from the first gradient until both the hooks' work and the link are done,
+    on the link `on` (`m.link` where None)."""
+    link_s = (m.link if on is None else on).seconds
     shift = 0.0  # local work done in the hooks so far: it delays what follows
     link = 0.0  # the link is busy until then
     for bucket, rank in zip(m.buckets, plan):
         option = bucket.options.get(rank) if rank != PLAIN else None
         if option is None:
-            link = max(bucket.ready_s + shift, link) + m.link.seconds(bucket.plain_bytes)
+            link = max(bucket.ready_s + shift, link) + link_s(bucket.plain_bytes)
             continue
         leaves = bucket.ready_s + shift + option.compress_s
         if option.before_s:  # the local work waits for the link's collective before it
             link = max(bucket.ready_s + shift, link) + option.before_s
             leaves = link + option.compress_s
         shift += option.work_s
-        link = max(leaves, link) + m.link.seconds(option.round1_bytes)
+        link = max(leaves, link) + link_s(option.round1_bytes)
         if m.rounds == 2 and option.round2_bytes:
-            link += m.link.seconds(option.round2_bytes)
+            link += link_s(option.round2_bytes)
         link += option.after_s
     return max(m.backward_s + shift, link)
 

@@ -23,7 +23,10 @@ how to pick it).
 
 A profile carries its layout's version in "format" (`planner.PROFILE_FORMAT`; one
 without it, written before the field, reads as format 1; another is refused). A bad
-input ends the CLI before any work with one line naming it (exit status 2).
+input ends the CLI before any work with one line naming it (exit status 2). So does a
+profile whose parts do not add up to its own measured step (`planner.Measurements.
+consistency`: a CUDA profile from before rank="auto" timed the device), unless
+`--inconsistent correct` (its rest of the step set to fit) or `accept` (as it is).
 """
 
 from __future__ import annotations
@@ -390,6 +393,45 @@ def _profile(path: str) -> tuple[planner.Measurements, list[dict]]:
         raise ValueError(f"{path!r}: {error}") from None
 
 
+def _consistent(m: planner.Measurements, path: str, how: str):
+    """(the profile to predict from, a note or None): `m` where its parts add up to its
+    measured step (`planner.CONSISTENT`); else, by `how`, a ValueError ("refuse"), `m`
+    ("accept") or `m.corrected()` ("correct"), each of the last two with a note."""
+    low, high = planner.CONSISTENT
+    ratio = m.consistency()
+    if low <= ratio <= high:
+        return m, None
+    link = "none: one worker" if m.workers == 1 else "its fitted link"
+    found = (
+        f"the model's plain step on the link it was measured on ({link}) is "
+        f"{1e3 * ratio * m.step_s:.1f} ms, its measured step {1e3 * m.step_s:.1f} ms "
+        f"({ratio:.2f}x; a profile is read within {low:g}-{high:g}x)"
+    )
+    again = (
+        'take it again with this version (on CUDA, rank="auto" now times the device with '
+        "CUDA events)"
+    )
+    if how == "refuse":
+        raise ValueError(
+            f"{path!r}: its parts do not add up to its step: {found}; {again}, or pass "
+            "--inconsistent correct (its rest of the step set to fit) or accept (as it is)"
+        )
+    if how == "accept":
+        return m, f"Note: {path} taken as it is, though {found}."
+    fixed = m.corrected()
+    if not low <= fixed.consistency() <= high:
+        raise ValueError(
+            f"{path!r}: its parts do not add up to its step: {found}, and no rest of the "
+            f"step corrects it (the model's window on that link alone is longer); {again}, or pass "
+            "--inconsistent accept"
+        )
+    return fixed, (
+        f"Note: {path} corrected: rest_s {1e3 * m.rest_s:.1f} ms -> {1e3 * fixed.rest_s:.1f} "
+        f"ms, so that its plain step on the link it was measured on is its measured step, "
+        f"{1e3 * m.step_s:.1f} ms (it was {1e3 * ratio * m.step_s:.1f} ms)."
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     """The CLI's arguments; each type refuses a bad value with one line naming it."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -423,6 +465,13 @@ def _parser() -> argparse.ArgumentParser:
         'factor, or "trials": from the compressed steps the profiled job timed (workers '
         "sharing cores; docs/scale.md)",
     )
+    parser.add_argument(
+        "--inconsistent",
+        choices=("refuse", "correct", "accept"),
+        default="refuse",
+        help="a profile whose parts do not add up to its measured step: refuse it, correct "
+        "its rest of the step to fit, or accept it as it is (default: %(default)s)",
+    )
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="nccl")
     parser.add_argument("--json", type=_argument(_output), help="write the rows here")
     parser.add_argument(
@@ -438,6 +487,7 @@ def main(argv=None) -> int:
     # input ends with parser.error's one line (exit status 2), never half-way through.
     try:
         measured, trials = _profile(args.profile)
+        measured, note = _consistent(measured, args.profile, args.inconsistent)
     except ValueError as error:
         parser.error(f"argument --profile: {error}")
     squeeze = args.compressed_compute
@@ -462,6 +512,8 @@ def main(argv=None) -> int:
         parser.error("argument --plot: needs matplotlib (pip install matplotlib)")
     profile = measured.scaled(args.compute)
     rows = table(profile, cluster, args.workers, args.bandwidths, args.algorithm, squeeze)
+    if note:
+        print(note)
     print(
         f"Profile {args.profile} (rounds={profile.rounds}, {len(profile.buckets)} buckets, "
         f"compute x{args.compute:g}"

@@ -1,5 +1,7 @@
 """rank="auto"'s choices from given measurements (planner.py), in one process."""
 
+import dataclasses
+import json
 import math
 
 import pytest
@@ -142,3 +144,68 @@ def test_a_bucket_with_nothing_to_compress_is_plain_in_every_plan():
     )
     assert planner.uniform(m, 4) == [PLAIN, 4, 4, 4]
     assert planner.choose(m, [1, 2, 4, 8])[0] == PLAIN
+
+
+def profiled(clock, workers=2, fitted=None):
+    """A job on a stand-in device that lags its host, profiled as rank="auto" would: the
+    host queues forward at once and backward's kernels 0.5 ms apart, while the device
+    runs forward for 15 ms, then 5 ms a bucket (4 of 4 MB), then the optimizer's 2 ms.
+
+    `clock` "device": the times are the device's (CUDA events), "host": the hooks' (as
+    before the tuner timed the device): the buckets seem final within 2 ms, and the
+    device's forward lands in the span from the first hook to the last arrival, which
+    the host waits for. One worker sends nothing; `fitted` is then the link it fitted to
+    its one-rank all-reduces (which, timed on the host, absorbed the device's lag).
+    """
+    forward_s, optimizer_s = 0.015, 0.002
+    link = FAST if workers > 1 else planner.FREE
+    device = [0.005 * (b + 1) for b in range(4)]
+    real = Measurements(tuple(Bucket(r, 4 * MB) for r in device), device[-1], 1.0, link, 2, 0.0)
+    window = planner.predict(real, [PLAIN] * 4)  # the device's first gradient to last arrival
+    step_s = forward_s + window + optimizer_s
+    ready, span = (
+        (device, window)
+        if clock == "device"
+        else ([5e-4 * (b + 1) for b in range(4)], forward_s + window)
+    )
+    buckets = tuple(Bucket(r, 4 * MB) for r in ready)
+    measured = link if fitted is None else fitted
+    return Measurements(buckets, ready[-1], step_s, measured, 2, step_s - span, workers)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_profile_timed_by_the_host_of_a_lagging_device_does_not_add_up(workers):
+    good, bad = profiled("device", workers), profiled("host", workers)
+    assert good.consistency() == pytest.approx(1.0) and good.step_s == bad.step_s
+    # The model sees the optimizer's 2 ms, the hooks' 2 ms and the all-reduces after
+    # them: a sixth of the 38 ms step or less.
+    assert bad.consistency() < planner.CONSISTENT[0]
+    # Corrected: its rest of the step is what the window the model sees leaves of the step.
+    fixed = bad.corrected()
+    plain = [PLAIN] * 4
+    assert planner.predict(fixed.with_link(fixed.measured_on()), plain) == pytest.approx(bad.step_s)
+    assert fixed.consistency() == pytest.approx(1.0) and fixed.backward_s == bad.backward_s
+
+
+def test_one_workers_fitted_link_hides_the_lag_unless_the_profile_says_it_sent_nothing():
+    # Its one-rank all-reduces, timed on the host, waited for the device: 8 ms each.
+    lagging = Link(latency_s=0.008, bytes_per_s=math.inf)
+    bad = profiled("host", workers=1, fitted=lagging)
+    assert bad.measured_on() == planner.FREE and bad.consistency() < planner.CONSISTENT[0]
+    unknown = dataclasses.replace(bad, workers=None)  # a profile that does not say
+    assert unknown.measured_on() == lagging and 0.9 < unknown.consistency() < 1.1
+    # The JSON keeps how many workers took it; a profile without the field reads as None.
+    back = Measurements.from_dict(json.loads(json.dumps(bad.to_dict())))
+    assert back == bad and "workers" not in unknown.to_dict()
+    with pytest.raises(ValueError, match="workers: expected an integer >= 1, got 0"):
+        Measurements.from_dict({**bad.to_dict(), "workers": 0})
+
+
+def test_a_synthetic_profile_adds_up_on_its_own_link_by_construction():
+    # rest_s None: derived on its link, so it adds up there, whatever the link...
+    for link in (FAST, Link(1e-4, 1e9)):
+        assert Measurements(job(link).buckets, 0.08, 0.15, link).consistency() == pytest.approx(1)
+    # ...unless the modelled window alone is longer than the step: the rest is 0, not less.
+    short = Measurements(job(SLOW).buckets, 0.08, 0.15, SLOW, rest_s=None, workers=2)
+    assert short.rest_s == 0.0 and short.consistency() > planner.CONSISTENT[1]
+    assert short.corrected() == short
