@@ -380,7 +380,7 @@ class Tuner:
         # charged to every plan on every other link (docs/scale.md, two nodes).
         rest_s = max(step_s - span_s, 0.0) if span_s == span_s else None
         measured = planner.Measurements(
-            tuple(out), backward, step_s, link, self.config.rounds, rest_s
+            tuple(out), backward, step_s, link, self.config.rounds, rest_s, self.comm.size
         )
         return measured if self.pinned is None else measured.with_link(self.pinned)
 

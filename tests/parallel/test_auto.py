@@ -248,8 +248,11 @@ def test_the_first_rank_writes_the_profile_the_scale_cli_predicts_from(tmp_path,
     assert path.exists() == (hvd.rank() == 0)
     if hvd.rank() == 0:
         # The profile predicts every plan as auto's own model did when it planned.
-        profile = planner.Measurements.from_dict(json.loads(path.read_text()))
+        data = json.loads(path.read_text())
+        profile = planner.Measurements.from_dict(data)
         measured = opt._tuner.measurements
+        # How many workers took it: bench.scale checks a one-worker profile on a free link.
+        assert data["workers"] == profile.workers == hvd.size()
         assert len(profile.buckets) == len(opt._reducer.buckets)
         for plan in ([0] * len(profile.buckets), plan_of(opt)):
             assert planner.predict(profile, plan) == pytest.approx(planner.predict(measured, plan))
