@@ -48,11 +48,13 @@ class Bucket:
 
     def clear(self) -> None:
         self.ready = 0  # gradients final this step
-        self.handles: list = []  # round 1, then (rounds=2, with factors) round 2
+        self.handles: list = []  # round 1's (hierarchical: each stage's in turn)
         # Uncompressed tensors of round 1: (parameter, tensor sent, wire ctx).
         self.sent: list = []
         self.factor_count = 0  # leading tensors of round 1 that are P/Q buffers
-        self.received: list = []  # rounds=2: round 1's uncompressed results, once back
+        # Round 1's results once back: the uncompressed, and the factors (rounds=2,
+        # compressed: this worker's Q buffers, once projected).
+        self.received, self.factors = [], None
 
 
 def make_buckets(params: list[torch.Tensor]) -> list[Bucket]:
@@ -130,21 +132,22 @@ class Reducer:
         bucket.ready += 1
         if bucket.ready == len(bucket.params) and bucket.dense:  # else all sent elsewhere
             self._launch(bucket)
+        if self.two_rounds and self.compressing:
+            for b in self.launched:  # project every bucket whose P is back (Q waits: finish)
+                if b.factor_count and b.factors is None and self.comm.poll(b.handles[0]):
+                    self._first_back(b)
 
     def finish(self) -> None:
         """Complete every round; afterwards each `p.grad` holds its aggregate (then `reset`).
 
         Two dependent rounds at most after backward, whatever the number of buckets:
-        every first round left during backward, so waiting for them all is one round
-        trip; rounds=2 then sends every bucket's Q in one grouped all-reduce and waits
-        once (`_q_round`). Not Q by Q as each P comes back: each would be a wait of its
-        own, and a request alone in a cycle of Horovod's.
+        every first round left during backward, so waiting for those not back yet is
+        one round trip; rounds=2 then sends every bucket's Q in one grouped all-reduce
+        and waits once (`_q_round`). Not Q by Q as each P comes back: each would be a
+        wait of its own, and a request alone in a cycle of Horovod's. (The P's back
+        during backward were projected then, in `ready`.)
         """
-        firsts = [self.comm.wait(bucket.handles[0]) for bucket in self.sending]
-        # Each first round: the factors (rounds=1: the only round) lead, the uncompressed follow.
-        for bucket, first in zip(self.sending, firsts):
-            bucket.received = first[bucket.factor_count :]
-        factors = [first[: bucket.factor_count] for bucket, first in zip(self.sending, firsts)]
+        factors = [b.factors or self._first_back(b) for b in self.sending]  # None: not back
         if self.compressing and self.two_rounds and any(factors):
             factors = self._q_round(factors)
         for bucket, last in zip(self.sending, factors):
@@ -152,18 +155,22 @@ class Reducer:
             if bucket.factor_count:
                 self._decompress(bucket, last)
 
-    def _q_round(self, p_sums: list) -> list:
-        """rounds=2: for every bucket, P̂ = orth(ΣP) and Q_w = Mᵀ·P̂; all of them in one
-        grouped all-reduce (the same buckets on every rank: those with factors), the
-        error updates while it runs; returns each bucket's averaged Q buffers."""
-        qs = [
-            self.compressor.project(p, b.index) if p else [] for b, p in zip(self.sending, p_sums)
-        ]
-        handle = self.comm.allreduce_async([t for q in qs for t in q], "q")
-        for bucket in self.sending:
-            if bucket.factor_count:
-                self.compressor.update_error(bucket.index)
-        averaged = iter(self.comm.wait(handle))
+    def _first_back(self, bucket: Bucket) -> list:
+        """The bucket's first round is back: its factors lead, its uncompressed results
+        follow. rounds=2 (compressed): P̂ = orth(ΣP) and Q_w = Mᵀ·P̂ become its factors,
+        the Q buffers `finish` sends with every bucket's; then e = M − P̂·Q_wᵀ. Returns
+        the factors."""
+        first = self.comm.wait(bucket.handles[0])
+        bucket.received, bucket.factors = first[bucket.factor_count :], first[: bucket.factor_count]
+        if self.two_rounds and self.compressing and bucket.factor_count:
+            bucket.factors = self.compressor.project(bucket.factors, bucket.index)
+            self.compressor.update_error(bucket.index)
+        return bucket.factors
+
+    def _q_round(self, qs: list) -> list:
+        """Every bucket's Q buffers (`qs`, [] for a bucket without factors: the same on
+        every rank) in one grouped all-reduce; returns them averaged, bucket by bucket."""
+        averaged = iter(self.comm.wait(self.comm.allreduce_async([t for q in qs for t in q], "q")))
         return [[next(averaged) for _ in q] for q in qs]
 
     def reset(self) -> None:
