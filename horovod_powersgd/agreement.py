@@ -124,6 +124,7 @@ def signature(opt, optimizer_settings: bool = True) -> list[tuple]:
     settings += [("op", str(opt.op)), ("compression", compression)]
     rows.append(("config", tuple(settings)))
     rows.append(("link", opt._link_setting))
+    rows.append(("orthogonalization", opt._orthogonalization))
     if optimizer_settings:
         rows.append(("optimizer", opt._base.__qualname__))
         rows.append(("groups", len(opt.param_groups)))
@@ -192,7 +193,16 @@ def _first_difference(mine, other, my_rank, other_rank) -> str:
             f"HOROVOD_POWERSGD_LINK) is {links[0]!r} on rank {my_rank} and {links[1]!r} on "
             f"rank {other_rank}; set it alike on every rank, or on none"
         )
-    skip = ("setting", "optimizer", "groups", "link")
+    methods = [
+        next((row[1] for row in rows if row[0] == "orthogonalization"), None)
+        for rows in (mine, other)
+    ]
+    if methods[0] != methods[1]:
+        return (
+            f"HOROVOD_POWERSGD_ORTHOGONALIZE is {methods[0]!r} on rank {my_rank} and "
+            f"{methods[1]!r} on rank {other_rank}; set it alike on every rank, or on none"
+        )
+    skip = ("setting", "optimizer", "groups", "link", "orthogonalization")
     mine = [row for row in mine if row[0] not in skip]
     other = [row for row in other if row[0] not in skip]
     if len(mine) != len(other):

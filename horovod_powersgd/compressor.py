@@ -96,7 +96,7 @@ class _Schedule:
             torch.where(norms == 0, draw, rows, out=rows)
             if factors.scaled and self.warm:
                 self._partner_scales(batch, norms)
-        orthogonalize_(rows.transpose(1, 2))
+        orthogonalize_(rows.transpose(1, 2), batch.floor)
         batch.scatter(memory)
 
     def _partner_scales(self, batch: PaddedBatch, norms: torch.Tensor) -> None:
@@ -218,7 +218,7 @@ class TwoRounds(_Schedule):
             rows, _ = batch.gather(factors.p)
             if factors.scaled:
                 self._q_scales(batch, rows)
-            orthogonalize_(rows.transpose(1, 2))
+            orthogonalize_(rows.transpose(1, 2), batch.floor)
             batch.scatter(factors.p)
             for g in batch.groups:
                 torch.bmm(g.pt, g.matrices, out=g.qt_local)  # Q_wᵀ = P̂ᵀ·M

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .linalg import matrix_shape
+from .linalg import dependence_floor, matrix_shape
 
 
 @dataclass
@@ -152,6 +152,12 @@ class PaddedBatch:
             start = self.spans[-1][1] if self.spans else 0
             self.spans.append((start, start + g.count))
         self.single = (offsets[0], groups[0].count, groups[0].rank, lengths[0])
+        # orthogonalize_'s floor: lower for matrices at full rank (one per matrix
+        # where the batch mixes them).
+        full = [g.rank == min(g.n, g.m) for g in groups for _ in range(g.count)]
+        self.floor = dependence_floor(
+            dtype, full[0] if len(set(full)) == 1 else torch.tensor(full, device=device)
+        )
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(flat) -> view
         self.rows = self.draw = None
         if len(groups) == 1:

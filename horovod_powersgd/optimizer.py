@@ -37,6 +37,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import comm as hvd_comm
+from . import linalg
 from .agreement import (
     SYNC_KEY,
     Agreement,
@@ -52,6 +53,7 @@ from .config import PowerSGDConfig, check_groups, check_log_every, check_named_p
 from .guard import DriftGuard
 from .hierarchy import build
 from .hierarchy import check as hierarchy_check
+from .linalg import method_setting, parse_method
 from .monitor import LayerMonitor
 from .reducer import make_buckets
 from .sparse import SparseGradients
@@ -112,12 +114,14 @@ class _DistributedOptimizer:
         # rank="auto"'s pinned link (auto_link or HOROVOD_POWERSGD_LINK), compared
         # with the settings below before the tuner parses it.
         self._link_setting = link_setting(config)
+        self._orthogonalization = method_setting()  # HOROVOD_POWERSGD_ORTHOGONALIZE, likewise
         # Under elastic Horovod a worker that joins builds its optimizer while
         # the others wait in the state sync: the check runs there instead. The
         # wrapped optimizer's settings are compared at the first step (Agreement),
         # after the user's hvd.broadcast_optimizer_state, which may make them equal.
         if self._active and not _elastic():
             check_same_model(comm, signature(self, optimizer_settings=False))
+        linalg.METHOD = parse_method(self._orthogonalization)
         buckets = make_buckets(self._params)
         # Flat, or hierarchical (hierarchy.py: this rank compresses its node's share).
         self._hierarchy, self.compressor, self._reducer = build(

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -45,6 +46,8 @@ import time
 import traceback
 
 import torch
+
+from horovod_powersgd import linalg
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_models
@@ -133,6 +136,20 @@ def _compressor(model, rank: int, rounds: int):
     order = [(index, layer_names) for index, layer_names in order if layer_names]
     monitor = LayerMonitor(compressor, lambda t, name: t, workers=1, reporter=False)
     return compressor, order, monitor
+
+
+def _method_key(method: str) -> str:
+    return "" if method == "householder" else f", {method}"
+
+
+@contextlib.contextmanager
+def _method(method: str):
+    """Orthogonalise with `method` (linalg.METHODS) inside, the default after."""
+    linalg.METHOD = method
+    try:
+        yield
+    finally:
+        linalg.METHOD = linalg.parse_method(None)
 
 
 def local_work(model, rank, rounds, clock, warmup, iters, graph=False) -> dict:
@@ -332,15 +349,17 @@ def run_local(args) -> dict:
                 for precision in reversed(PRECISIONS)  # float32 last: its gradients stay
             }
             entry["local_work"] = {}
-            for rounds in (2, 1):
-                for rank in ranks:
-                    key = f"rank {rank}, rounds={rounds}"
-                    try:
-                        entry["local_work"][key] = {"rank": rank, "rounds": rounds} | local_work(
-                            workload.model, rank, rounds, clock, warmup, iters
+            # Both orthogonalisations (linalg.METHODS): which is faster on CUDA is
+            # what this run decides; CholeskyQR's rows have ", cholesky" in their key.
+            for method, rounds, rank in itertools.product(linalg.METHODS, (2, 1), ranks):
+                key = f"rank {rank}, rounds={rounds}" + _method_key(method)
+                try:
+                    with _method(method):
+                        entry["local_work"][key] = {"rank": rank, "rounds": rounds} | (
+                            local_work(workload.model, rank, rounds, clock, warmup, iters)
                         )
-                    except Exception:
-                        entry["errors"][key] = traceback.format_exc()[-2000:]
+                except Exception:
+                    entry["errors"][key] = traceback.format_exc()[-2000:]
             with one_rank_process_group(device):
                 entry["ddp_ms"] = ddp_times(name, args.size, device, clock, warmup, iters)
                 entry["hook"] = {}
@@ -376,14 +395,15 @@ def run_local(args) -> dict:
         for name in args.models.split(","):
             entry = result["models"][name]
             entry["graphed"] = {}
-            for rounds in (2, 1):
-                key = f"rank {ranks[0]}, rounds={rounds}"
+            for method, rounds in itertools.product(linalg.METHODS, (2, 1)):
+                key = f"rank {ranks[0]}, rounds={rounds}" + _method_key(method)
                 try:
                     workload = gpu_models.build(name, args.size, device)
                     forward_backward(workload, device, "fp32", clock, 1, 1)  # its gradients
-                    entry["graphed"][key] = local_work(
-                        workload.model, ranks[0], rounds, clock, warmup, iters, graph=True
-                    )
+                    with _method(method):
+                        entry["graphed"][key] = local_work(
+                            workload.model, ranks[0], rounds, clock, warmup, iters, graph=True
+                        )
                 except Exception:
                     entry["errors"][f"graphed {key}"] = traceback.format_exc()[-2000:]
                 workload = None

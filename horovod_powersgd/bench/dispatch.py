@@ -7,7 +7,8 @@ PowerSGD's local work costs there. This counts them on any device with
 107 vectors, 25.6 M parameters), with this library's optimizer and with
 Horovod's on the same model, and reports the difference: the library's ops.
 
-    python -m horovod_powersgd.bench.dispatch --ranks 4,32 --rounds 2,1
+    python -m horovod_powersgd.bench.dispatch --ranks 4,32 --rounds 2,1 \
+        --orthogonalize householder,cholesky
 
 One process is enough (Horovod at size 1; under mpirun every rank counts its
 own). The "local work" time is the CPU time of the library's step over
@@ -22,7 +23,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
+import math
+import os
 import time
 
 import torch
@@ -68,8 +72,11 @@ NO_KERNEL = frozenset(
     {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view",
      "set_", "resize_", "lift_fresh"}
 )  # fmt: skip
-# Ops that CUDA runs matrix by matrix over a batch (cuSOLVER: `geqrf` per matrix past
-# n = 256, `orgqr` always; SVD and eigh past small sizes): at least one launch a matrix.
+# Ops that CUDA runs matrix by matrix over a batch (cuSOLVER: `orgqr` always; SVD
+# and eigh past small sizes): at least one launch a matrix. `linalg_qr`'s `geqrf` is
+# one batched cuBLAS call only for n <= 256 and k >= max(2, n / 16), else one more a
+# matrix; a triangular solve loops for k <= 8 matrices of 64 columns or more
+# (torch's BatchLinearAlgebra.cpp and .cu, read for torch 2.13).
 PER_MATRIX = frozenset(
     {"linalg_qr", "geqrf", "orgqr", "linalg_householder_product", "ormqr", "linalg_svd",
      "_linalg_svd", "linalg_eigh", "_linalg_eigh", "linalg_lstsq", "linalg_inv_ex"}
@@ -78,16 +85,21 @@ PER_MATRIX = frozenset(
 
 def kernels_of(func, args) -> int:
     """Kernel launches a CUDA op would make, at least: 0 for a view or an allocation,
-    one a matrix for `PER_MATRIX` ops, 1 for everything else."""
+    one a matrix for `PER_MATRIX` ops (two for a QR whose `geqrf` loops too), 1 for
+    everything else."""
     name = func.overloadpacket.__name__
     if func.is_view or name in NO_KERNEL:
         return 0
-    if name in PER_MATRIX and args and isinstance(args[0], torch.Tensor):
-        matrices = 1
-        for size in args[0].shape[:-2]:
-            matrices *= size
-        return max(matrices, 1)
-    return 1
+    if not (args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2):
+        return 1
+    shape = args[0].shape
+    matrices = max(math.prod(shape[:-2]), 1)
+    if name in ("linalg_qr", "geqrf"):
+        looped = not (shape[-2] <= 256 and matrices >= max(2, shape[-2] // 16))
+        return (matrices if looped else 1) + (matrices if name == "linalg_qr" else 0)
+    if name == "linalg_solve_triangular" and matrices <= 8 and shape[-1] >= 64:
+        return matrices
+    return matrices if name in PER_MATRIX else 1
 
 
 class OpCounter(TorchDispatchMode):
@@ -145,15 +157,23 @@ def measure(make_optimizer, shapes, steps: int = 6, timed: int = 5) -> dict:
     }
 
 
-def library_ops(rank: int, rounds: int, shapes=None, timed: int = 5, **settings) -> dict:
+def library_ops(
+    rank: int, rounds: int, shapes=None, timed: int = 5, method=None, **settings
+) -> dict:
     """{"ops", "horovod_ops", "extra_ops", "cpu_ms", "extra_cpu_ms", "top"} for one setting.
 
     Horovod must be initialised. `timed`: steps whose CPU time is measured (0: none);
+    `method`: the orthogonalisation (linalg.METHODS; None: the environment's);
     `settings` go to horovod_powersgd.DistributedOptimizer.
     """
     import horovod.torch as hvd
 
     import horovod_powersgd as hps
+    from horovod_powersgd import linalg
+
+    if method is not None:
+        with _environment(linalg.METHOD_ENV, method):
+            return library_ops(rank, rounds, shapes, timed, None, **settings)
 
     shapes = shapes or resnet50_shapes()
 
@@ -175,6 +195,7 @@ def library_ops(rank: int, rounds: int, shapes=None, timed: int = 5, **settings)
     return {
         "rank": rank,
         "rounds": rounds,
+        "method": linalg.METHOD,
         "ops": mine["ops"],
         "horovod_ops": base["ops"],
         "extra_ops": mine["ops"] - base["ops"],
@@ -189,10 +210,27 @@ def library_ops(rank: int, rounds: int, shapes=None, timed: int = 5, **settings)
     }
 
 
+@contextlib.contextmanager
+def _environment(name: str, value: str):
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", default="4,32", help="PowerSGD ranks (default: 4,32)")
     parser.add_argument("--rounds", default="2,1", help="schedules (default: 2,1)")
+    parser.add_argument(
+        "--orthogonalize", default="householder,cholesky",
+        help="orthogonalisation methods (default: householder,cholesky)",
+    )  # fmt: skip
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     import horovod.torch as hvd
@@ -200,20 +238,21 @@ def main(argv=None) -> None:
     hvd.init()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rows = [
-        library_ops(int(rank), int(rounds))
+        library_ops(int(rank), int(rounds), method=method)
+        for method in args.orthogonalize.split(",")
         for rounds in args.rounds.split(",")
         for rank in args.ranks.split(",")
     ]
     if hvd.rank() == 0:
         print("ResNet-50's shapes, one steady-state step, over Horovod's optimizer (CPU)")
         print(
-            "| rank | rounds | ops over Horovod's | CUDA kernels over Horovod's (at least) "
-            "| Horovod's step: ops / kernels | CPU ms over Horovod's |"
+            "| orthogonalisation | rank | rounds | ops over Horovod's | CUDA kernels over "
+            "Horovod's (at least) | Horovod's step: ops / kernels | CPU ms over Horovod's |"
         )
-        print("| --- | --- | --- | --- | --- | --- |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         for row in rows:
             print(
-                f"| {row['rank']} | {row['rounds']} | {row['extra_ops']} | "
+                f"| {row['method']} | {row['rank']} | {row['rounds']} | {row['extra_ops']} | "
                 f"{row['extra_kernels']} | {row['horovod_ops']} / {row['horovod_kernels']} "
                 f"| {row['extra_cpu_ms']:.1f} |"
             )
