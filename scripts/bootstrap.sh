@@ -2,7 +2,9 @@
 # Set up everything horovod-powersgd needs, idempotently:
 #   system packages (OpenMPI, compilers, cmake, data sets) -> .venv -> torch ->
 #   this project (editable, with extras) -> Horovod built from source against
-#   that torch, its wheel cached so the second run takes seconds.
+#   that torch, its wheel cached so the second run takes seconds. Horovod is compiled with
+#   the C++ standard the installed torch's headers ask for (scripts/torch_cxx_standard.py:
+#   17 up to torch 2.13, 20 from 2.14), which the wheel's key names when it is not 17.
 # Used by the Makefile, the Dockerfile and CI, so there is one recipe only.
 #
 # Variables (defaults in brackets):
@@ -77,7 +79,12 @@ gpu_ops=""
 if command -v nvcc >/dev/null && "$PY" -c 'import torch,sys; sys.exit(not torch.version.cuda)'; then
   gpu_ops=NCCL
 fi
+# The C++ standard torch's headers need (17; 20 from torch 2.14): scripts/torch_cxx_standard.py.
+# 17 leaves the key as it always was; any other standard is part of it, so a wheel built
+# with one standard is never installed for another.
+cxx_std=$("$PY" "$ROOT/scripts/torch_cxx_standard.py")
 build_opts="pytorch-gloo-mpi${gpu_ops:+-nccl}"
+if [[ "$cxx_std" != 17 ]]; then build_opts+="-cxx$cxx_std"; fi
 key="horovod${HOROVOD_VERSION}-torch${TORCH_VERSION}-${build_opts}-$(uname -m)"
 cached="$WHEEL_CACHE/$key"
 
@@ -96,13 +103,9 @@ if [[ "$installed_key" != "$key" ]] || ! "$PY" -c 'import horovod.torch' 2>/dev/
     trap 'rm -rf "$src"' EXIT
     tar -xzf "$sdist" -C "$src"
     srcdir=$(echo "$src"/horovod-*/)
-    # Horovod 0.28.1 compiles with C++14, but torch >= 2.1 headers need C++17, and two of
-    # its headers miss includes that GCC 13 no longer pulls in: scripts/horovod_source_fixes.sh.
-    cxx17=""
-    if "$PY" -c 'import torch,sys; v=tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(v < (2, 1))'; then
-      cxx17=--cxx17
-    fi
-    bash "$ROOT/scripts/horovod_source_fixes.sh" "$srcdir" $cxx17
+    # Horovod 0.28.1 compiles with C++14, torch's headers need $cxx_std, and two of its headers
+    # miss includes that GCC 13 no longer pulls in: scripts/horovod_source_fixes.sh.
+    bash "$ROOT/scripts/horovod_source_fixes.sh" "$srcdir" --cxx-standard "$cxx_std"
     mkdir -p "$cached.tmp"
     (
       cd "$srcdir"

@@ -3,7 +3,8 @@
 # (where the registries are) into an ignored folder that the device `run` carries
 # (docs/gpu.md gives the call):
 #   * Horovod's sdist as released on PyPI. It is built there by scripts/bootstrap.sh, which
-#     applies the C++17 fix (horovod PR #3998) as it does here: one recipe, one place.
+#     applies the C++ standard fix (horovod PR #3998; C++20 from torch 2.14) as it does
+#     here: one recipe, one place.
 #   * the wheels Horovod needs for the device's Python 3.12 on x86_64 that its image does not
 #     have (.library/device/KINDS.md lists the image's packages): cffi (Horovod's
 #     install_requires with PyTorch, and its setup.py asks for it at build time) and its

@@ -887,8 +887,8 @@ def _build_section(report):
     if not build:
         return []
     lines = ["", "## Horovod builds", "",
-             "Through scripts/bootstrap.sh (which applies the C++17 fix), from the carried "
-             "bundle: " + ", ".join(build.get("bundle", [])) + ".", "",
+             "Through scripts/bootstrap.sh (which sets the C++ standard torch needs), from the "
+             "carried bundle: " + ", ".join(build.get("bundle", [])) + ".", "",
              "| build | status | seconds | NCCL | Gloo | MPI | CUDA |",
              "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for variant, entry in build.get("variants", {}).items():
