@@ -63,7 +63,9 @@ def test_every_phase_runs_and_the_report_holds_real_numbers(full_cpu_run):
         for precision in ("fp32", "bf16"):
             assert real(model["forward_backward_ms"][precision])
             assert real(model["ddp_ms"][precision])
-        assert len(model["local_work"]) == 6  # ranks 4, 16, 32 x rounds 2, 1
+        # ranks 4, 16, 32 x rounds 2, 1 x Householder and CholeskyQR (", cholesky")
+        assert len(model["local_work"]) == 12
+        assert model["local_work"]["rank 4, rounds=2, cholesky"]["compressed_tensors"] > 0
         for work in model["local_work"].values():
             if work["compressed_tensors"]:
                 assert real(work["ms"]) and real(work["with_statistics_ms"]), work
