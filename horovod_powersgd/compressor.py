@@ -42,6 +42,7 @@ The decompressed gradient is left non-finite so that `GradScaler` skips the step
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -69,35 +70,37 @@ class _Schedule:
     def __init__(self, config: PowerSGDConfig):
         self.error_feedback = config.error_feedback
         self.warm_start = config.warm_start
+        # A partner column whose memory's norm is at most this takes the random draw:
+        # a zero column (its layer's M was zero), or, without warm start, every one.
+        self.fresh_below = 0.0 if config.warm_start else math.inf
         self.phase = 0  # step parity (Alternating: 0 sends Q, 1 sends P)
         self.warm = False  # the memories were averaged by an earlier step
         self.workers = 1
 
-    def begin_step(self, factors: Factors) -> None:
-        """This step's partners: from memory (warm start) or fresh."""
-        self.draw(factors)  # every step, on every rank alike: the generators stay in step
-        if factors.scaled:
-            _clear_scales(factors)
-        for batch in factors.partner_batches[self.phase]:  # (memory, scratch for the draw)
-            self._partner(factors, batch, *factors.partner_flats[batch.side])
+    def begin_step(self, factors: list[Factors], batches: list[PaddedBatch]) -> None:
+        """This step's partners of `factors`, from memory (warm start) or fresh, in `batches`
+        (each with its `flats`: the owners' memories and the scratch their draws go to)."""
+        for f in factors:
+            self.draw(f)  # every step, on every rank alike: the generators stay in step
+            if f.scaled:
+                _clear_scales(f)
+        for batch in batches:
+            self._partner(batch, factors[0].scaled, *batch.flats)
 
-    def _partner(self, factors: Factors, batch: PaddedBatch, memory, draw) -> None:
-        """Orthonormalise the batch's part of the flat `memory` in place.
+    def _partner(self, batch: PaddedBatch, scaled: bool, memories, draws) -> None:
+        """Orthonormalise the batch's part of the flat `memories` in place.
 
         A memory column that is all zero (its layer's M was zero everywhere,
         e.g. a frozen or unused layer) would stay zero for ever: it takes the
-        draw's (from `draw`, same layout).
+        draw's (from `draws`, same layout).
         """
-        rows, draw = batch.gather(memory, draw)
-        if not self.warm_start:
-            rows.copy_(draw)
-        else:
-            norms = torch.linalg.vector_norm(rows, dim=2, keepdim=True)
-            torch.where(norms == 0, draw, rows, out=rows)
-            if factors.scaled and self.warm:
-                self._partner_scales(batch, norms)
+        rows, draw = batch.gather(memories, draws)
+        norms = torch.linalg.vector_norm(rows, dim=2, keepdim=True)
+        torch.where(norms <= self.fresh_below, draw, rows, out=rows)  # a norm is never NaN <= 0
+        if scaled and self.warm and self.warm_start:
+            self._partner_scales(batch, norms)
         orthogonalize_(rows.transpose(1, 2), batch.floor)
-        batch.scatter(memory)
+        batch.scatter(memories)
 
     def _partner_scales(self, batch: PaddedBatch, norms: torch.Tensor) -> None:
         """float16 wire: the scale of the factors sent against this batch's partners.
@@ -189,6 +192,8 @@ class TwoRounds(_Schedule):
         partners = padded_batches(list(factors.groups.values()), "q", *args, draws=True)
         factors.partner_batches = [partners, partners]
         factors.project_batches = padded_batches(list(factors.groups.values()), "p", *args, False)
+        for batch in factors.project_batches:
+            batch.flats = [factors.p]
 
     def draw(self, factors: Factors) -> None:
         factors.q_local.normal_(generator=factors.generator)  # free until used: scratch
@@ -215,11 +220,11 @@ class TwoRounds(_Schedule):
             factors.p.copy_(p_sum)
         factors.p_finite = factors.finite_matrices([(factors.p, factors.p_matrix)])
         for batch in factors.project_batches:
-            rows, _ = batch.gather(factors.p)
+            rows, _ = batch.gather(batch.flats)
             if factors.scaled:
                 self._q_scales(batch, rows)
             orthogonalize_(rows.transpose(1, 2), batch.floor)
-            batch.scatter(factors.p)
+            batch.scatter(batch.flats)
             for g in batch.groups:
                 torch.bmm(g.pt, g.matrices, out=g.qt_local)  # Q_wᵀ = P̂ᵀ·M
         if factors.scaled:
@@ -405,11 +410,15 @@ class PowerSGDCompressor:
             if key[0] in buckets:
                 factors.allocate(p_memory=self.config.rounds == 1)
                 self.schedule.prepare(factors)
+                for batch in {b for batches in factors.partner_batches for b in batches}:
+                    memory, draw = factors.partner_flats[batch.side]
+                    batch.flats = ([memory], [draw])
         self.factors = [self._keyed[k] for k in self._generators if k in self._keyed]
         self._by_bucket = {}
         for key in self._generators:
             if key in self._keyed:
                 self._by_bucket.setdefault(key[0], []).append(self._keyed[key])
+        self._join()
 
     def set_ranks(self, ranks: Mapping[object, int]) -> dict[str, torch.Tensor]:
         """Send each bucket of `ranks` at its new rank (0: as it is) from the next step on.
@@ -523,14 +532,46 @@ class PowerSGDCompressor:
     def begin_step(self, workers: int = 1, done: int = 0) -> None:
         """Prepare this step's orthonormal partners: from memory (warm start) or fresh.
 
+        Every bucket's at once, in as few batches as `padded_batches` allows
+        across buckets (`_join`): on a GPU each batch is a few dozen launches.
+
         Args:
             workers: how many workers sum P and Q (sets the float16 wire scale).
             done: compressed steps before this one (the alternation; warm memories).
         """
         schedule = self.schedule
         schedule.workers, schedule.phase, schedule.warm = workers, done % 2, done > 0
-        for factors in self.factors:
-            schedule.begin_step(factors)
+        for factors, batches in self._joint[schedule.phase]:
+            schedule.begin_step(factors, batches)
+
+    def _join(self) -> None:
+        """Per step parity and (device, dtype): all buckets' partner batches, padded together.
+
+        Each bucket's own (`Factors.partner_batches`, which the schedule chose
+        the sides and groups of) stay for one bucket's step (auto's probe).
+        """
+        self._joint = [[], []]
+        for phase in (0, 1):
+            kinds: dict[tuple, list[Factors]] = {}
+            for factors in self.factors:
+                kinds.setdefault((factors.device, factors.dtype), []).append(factors)
+            for (device, dtype), owners in kinds.items():
+                batches = []
+                for side in ("p", "q"):
+                    pairs = [
+                        (g, i)
+                        for i, f in enumerate(owners)
+                        for b in f.partner_batches[phase]
+                        if b.side == side
+                        for g in b.groups
+                    ]
+                    groups, index = [g for g, _ in pairs], [i for _, i in pairs]
+                    for batch in padded_batches(groups, side, dtype, device, True, index):
+                        mine = owners if batch.rows is not None else [owners[batch.owner]]
+                        flats = [f.partner_flats[side] for f in mine]
+                        batch.flats = ([m for m, _ in flats], [d for _, d in flats])
+                        batches.append(batch)
+                self._joint[phase].append((owners, batches))
 
     def compress(self, name: str, grad: torch.Tensor | None) -> None:
         """This parameter's part of the step that needs only its gradient (None: zero)."""

@@ -142,9 +142,14 @@ class PaddedBatch:
     (x = m, Q's layout).
     """
 
-    def __init__(self, groups: list[ShapeGroup], side: str, dtype, device, draws: bool):
+    def __init__(
+        self, groups: list[ShapeGroup], side: str, dtype, device, draws: bool, owners=None
+    ):
         self.groups = groups
         self.side = side
+        # owners: per group, which of the flat buffers `gather` and `scatter` take holds
+        # it (several buckets' partners batched together); None: all the first.
+        owners = owners or [0] * len(groups)
         lengths = [g.n if side == "p" else g.m for g in groups]
         offsets = [g.p_offset if side == "p" else g.q_offset for g in groups]
         self.spans = []  # (first matrix, end) of each group in the batch
@@ -152,6 +157,7 @@ class PaddedBatch:
             start = self.spans[-1][1] if self.spans else 0
             self.spans.append((start, start + g.count))
         self.single = (offsets[0], groups[0].count, groups[0].rank, lengths[0])
+        self.owner = owners[0]  # of a batch of one group: `gather` takes its buffers alone
         # orthogonalize_'s floor: lower for matrices at full rank (one per matrix
         # where the batch mixes them).
         full = [g.rank == min(g.n, g.m) for g in groups for _ in range(g.count)]
@@ -160,6 +166,8 @@ class PaddedBatch:
         )
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(flat) -> view
         self.rows = self.draw = None
+        self.flats = None  # the caller's (flat buffers, draws' flat buffers), if it keeps them
+        self.parts: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         if len(groups) == 1:
             return
         count, rank, length = self.spans[-1][1], max(g.rank for g in groups), max(lengths)
@@ -168,15 +176,19 @@ class PaddedBatch:
         if draws:
             self.draw = torch.zeros_like(self.rows)
             self.draw_flat = self.draw.view(-1)
-        src, dst = [], []
-        for g, (a, _), x, offset in zip(groups, self.spans, lengths, offsets):
+        parts: dict[int, tuple[list, list]] = {}
+        for g, (a, _), x, offset, owner in zip(groups, self.spans, lengths, offsets, owners):
+            src, dst = parts.setdefault(owner, ([], []))
             src.append(offset + torch.arange(g.count * g.rank * x))
             i = torch.arange(a, a + g.count).view(-1, 1, 1)
             j = torch.arange(g.rank).view(1, -1, 1)
             place = (i * rank + j) * length + torch.arange(x).view(1, 1, -1)
             dst.append(place.reshape(-1))
-        self.src = torch.cat(src).to(device)  # element of the flat buffer ...
-        self.dst = torch.cat(dst).to(device)  # ... and its place in the batch
+        # Per owner: elements of its flat buffer, and their places in the batch.
+        self.parts = [
+            (owner, torch.cat(src).to(device), torch.cat(dst).to(device))
+            for owner, (src, dst) in sorted(parts.items())
+        ]
 
     def _view(self, flat: torch.Tensor) -> torch.Tensor:
         # The flat buffers a step passes are the bucket's own, the same every
@@ -190,50 +202,59 @@ class PaddedBatch:
             self._views[id(flat)] = (flat, view)
         return view
 
-    def gather(self, flat: torch.Tensor, draw_flat: torch.Tensor | None = None):
-        """(batch, draws' batch): the groups' factors of `flat` (and `draw_flat`), padded."""
+    def gather(self, flats: list[torch.Tensor], draw_flats: list[torch.Tensor] | None = None):
+        """(batch, draws' batch): the groups' factors of `flats` (and `draw_flats`), padded.
+
+        `flats`: the flat buffers, one per owner; a batch of one group takes
+        its owner's alone (a list of one), and works on a view of it.
+        """
         if self.rows is None:
-            return self._view(flat), (None if draw_flat is None else self._view(draw_flat))
+            return self._view(flats[0]), draw_flats and self._view(draw_flats[0])
         # Zero first: a non-finite matrix leaves NaN in its padding, which
         # must not reach the next step's norms.
         self.rows.zero_()
-        self.rows_flat.index_copy_(0, self.dst, flat.index_select(0, self.src))
-        if draw_flat is not None:
-            self.draw_flat.index_copy_(0, self.dst, draw_flat.index_select(0, self.src))
+        for owner, src, dst in self.parts:
+            self.rows_flat.index_copy_(0, dst, flats[owner].index_select(0, src))
+            if draw_flats is not None:
+                self.draw_flat.index_copy_(0, dst, draw_flats[owner].index_select(0, src))
         return self.rows, self.draw
 
-    def scatter(self, flat: torch.Tensor) -> None:
-        """Copy the batch's results back into `flat`."""
-        if self.rows is not None:
-            flat.index_copy_(0, self.src, self.rows_flat.index_select(0, self.dst))
+    def scatter(self, flats: list[torch.Tensor]) -> None:
+        """Copy the batch's results back into `flats` (one per owner)."""
+        for owner, src, dst in self.parts if self.rows is not None else ():
+            flats[owner].index_copy_(0, src, self.rows_flat.index_select(0, dst))
 
     def split(self, per_matrix):
         """A (K, 1, 1) tensor of the batch as per-group (k, 1, 1) views (None: Nones)."""
         return [None if per_matrix is None else per_matrix[a:b] for a, b in self.spans]
 
 
-def padded_batches(groups, side: str, dtype, device, draws: bool) -> list[PaddedBatch]:
+def padded_batches(groups, side: str, dtype, device, draws: bool, owners=None) -> list[PaddedBatch]:
     """`groups` by length (n for side "p", m for "q"), cut where padding would double the work.
 
     Each batch costs a fixed number of operations (kernel launches on a GPU),
     so the fewer the better; the padded batch's elements, which the QR works
-    through, stay at most twice the groups' own.
+    through, stay at most twice the groups' own. `owners`: as `PaddedBatch`'s.
     """
     length = (lambda g: g.n) if side == "p" else (lambda g: g.m)
+    owned = list(zip(groups, owners or [0] * len(groups)))
     batches, current, own = [], [], 0
-    for g in sorted(groups, key=length):  # stable: the same batches on every rank
+    for g, owner in sorted(owned, key=lambda pair: length(pair[0])):  # stable: same on every rank
         size = g.count * g.rank * length(g)
         if current:
-            count = sum(c.count for c in current) + g.count
-            padded = count * max(g.rank, *(c.rank for c in current)) * length(g)
+            count = sum(c.count for c, _ in current) + g.count
+            padded = count * max(g.rank, *(c.rank for c, _ in current)) * length(g)
             if padded > 2 * (own + size):
                 batches.append(current)
                 current, own = [], 0
-        current.append(g)
+        current.append((g, owner))
         own += size
     if current:
         batches.append(current)
-    return [PaddedBatch(b, side, dtype, device, draws) for b in batches]
+    return [
+        PaddedBatch([g for g, _ in b], side, dtype, device, draws, [o for _, o in b])
+        for b in batches
+    ]
 
 
 class Factors:

@@ -613,7 +613,7 @@ def _time_bucket(probe, bucket, grads, scratch, workers, device):
     _synchronize(device)
     start = time.perf_counter()
     for f in factors:
-        schedule.begin_step(f)
+        schedule.begin_step([f], f.partner_batches[schedule.phase])
     for name in names:
         probe.compress(name, grads[name])
     _synchronize(device)

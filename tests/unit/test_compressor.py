@@ -527,3 +527,46 @@ def test_orthogonalize_is_orthonormal_at_any_condition_and_keeps_everything_at_f
         if everything:
             residual = (q @ (q.mT @ a.double()) - a.double()).norm() / a.double().norm()
             assert residual < 1e-5
+
+
+@pytest.mark.parametrize("rounds", [2, 1])
+def test_buckets_orthogonalised_together_give_what_each_bucket_gives_alone(rounds):
+    # begin_step orthogonalises every bucket's partners in as few padded batches
+    # as it can (one launch sequence a batch on a GPU, not one a bucket); each
+    # matrix must come out as it would in its own bucket. (3, 50) at rank 4 is full
+    # rank; rounds=1 also leaves batches of one group of a later bucket (views of
+    # that bucket's own buffers).
+    torch.manual_seed(31)
+    shapes = {"a": (24, 40), "b": (40, 24), "c": (3, 50), "d": (64, 64), "e": (100, 20)}
+    bucket_of = {"a": 0, "b": 1, "c": 1, "d": 2, "e": 2}
+    config = PowerSGDConfig(rank=4, rounds=rounds, min_compression_rate=0)
+    named = [(n, torch.zeros(s)) for n, s in shapes.items()]
+    together = [PowerSGDCompressor(named, config, bucket_of=bucket_of) for _ in range(2)]
+    joint = together[0]._joint[0][0][1]
+    own = [b for f in together[0].factors for b in f.partner_batches[0]]
+    assert len(joint) < len(own) and any(len({o for o, *_ in b.parts}) > 1 for b in joint)
+    alone = {
+        bucket: [
+            PowerSGDCompressor([(n, t) for n, t in named if bucket_of[n] == bucket], config)
+            for _ in range(2)
+        ]
+        for bucket in (0, 1, 2)
+    }
+    memories = ("q_memory", "p_memory") if rounds == 1 else ("q_memory",)
+    for name, bucket in bucket_of.items():
+        for w in range(2):
+            for kind in memories:
+                alone[bucket][w]._state_tensor(kind, name).copy_(
+                    together[w]._state_tensor(kind, name)
+                )
+    step = simulated_step if rounds == 2 else alternating_step
+    for _ in range(3):
+        grads = [{n: torch.randn(s) for n, s in shapes.items()} for _ in range(2)]
+        outs = step(together, grads)
+        outs = outs[0] if rounds == 2 else outs
+        for bucket, workers in alone.items():
+            mine = [{n: g[n] for n in g if bucket_of[n] == bucket} for g in grads]
+            single = step(workers, mine)
+            single = single[0] if rounds == 2 else single
+            for name in mine[0]:
+                torch.testing.assert_close(outs[0][name], single[0][name], rtol=1e-4, atol=1e-4)
