@@ -25,7 +25,7 @@ The model of one step, from what was measured in this job:
 
 `choose` minimises that over per-bucket ranks (coordinate descent from every
 uniform plan), then, among plans within `tolerance` of the shortest, takes
-the most accurate: plain, then the highest rank, bucket by bucket. The model is
+the preferred one: plain, then the lowest rank, bucket by bucket. The model is
 only a guide: the tuner measures the real step time of a few `candidates`
 before it settles.
 """
@@ -458,6 +458,12 @@ def _accuracy(rank: int) -> float:
     return math.inf if rank == PLAIN else rank
 
 
+def _preference(rank: int) -> float:
+    """Higher is preferred where plans are as fast: plain (the exact average, and nothing
+    to gain from compressing), then the lowest rank (the fewest bytes on the wire)."""
+    return math.inf if rank == PLAIN else -rank
+
+
 def _choices(bucket: Bucket) -> list[int]:
     return [PLAIN, *sorted(bucket.options)]
 
@@ -489,14 +495,13 @@ def fastest(m: Measurements, ladder: Sequence[int]) -> tuple[list[int], float]:
     return min(results, key=lambda result: result[1])
 
 
-def most_accurate_within(
-    m: Measurements, plan: Sequence[int], budget_s: float, order: Sequence[int] | None = None
-) -> list[int]:
-    """`plan` with each bucket raised to its most accurate choice that keeps the step <= budget."""
+def preferred_within(m: Measurements, plan: Sequence[int], budget_s: float) -> list[int]:
+    """`plan` with each bucket moved to its preferred choice (plain, then the lowest rank)
+    that keeps the predicted step <= budget, bucket by bucket."""
     plan = list(plan)
-    for b in order if order is not None else range(len(m.buckets)):
-        for rank in sorted(_choices(m.buckets[b]), key=_accuracy, reverse=True):
-            if _accuracy(rank) <= _accuracy(plan[b]):
+    for b, bucket in enumerate(m.buckets):
+        for rank in sorted(_choices(bucket), key=_preference, reverse=True):
+            if _preference(rank) <= _preference(plan[b]):
                 break
             trial = [*plan[:b], rank, *plan[b + 1 :]]
             if predict(m, trial) <= budget_s:
@@ -506,7 +511,8 @@ def most_accurate_within(
 
 
 def choose(m: Measurements, ladder: Sequence[int], tolerance: float = 0.03) -> list[int]:
-    """The plan: the most accurate among those within `tolerance` of the shortest step.
+    """The plan: the preferred among those within `tolerance` of the shortest step (plain,
+    then the lowest rank, bucket by bucket).
 
     Example:
         >>> fast = Link(latency_s=1e-4, bytes_per_s=1e10)
@@ -517,7 +523,7 @@ def choose(m: Measurements, ladder: Sequence[int], tolerance: float = 0.03) -> l
         ([0], [2])
     """
     plan, shortest = fastest(m, ladder)
-    return most_accurate_within(m, plan, shortest * (1 + tolerance))
+    return preferred_within(m, plan, shortest * (1 + tolerance))
 
 
 # A plan the model expects this many times slower than its choice is not tried:
