@@ -25,9 +25,10 @@ The model of one step, from what was measured in this job:
 
 `choose` minimises that over per-bucket ranks (coordinate descent from every
 uniform plan), then, among plans within `tolerance` of the shortest, takes
-the most accurate: plain, then the highest rank, bucket by bucket. The model is
+the preferred one: plain, then the lowest rank, bucket by bucket. The model is
 only a guide: the tuner measures the real step time of a few `candidates`
-before it settles.
+before it settles, and `pick_measured` takes the preferred of those measured
+within the trials' noise (`margin`) of the fastest.
 """
 
 from __future__ import annotations
@@ -294,6 +295,9 @@ class Measurements:
         for i, trial in enumerate(_field(data, "trials", "", _list, [])):
             path = f"trials[{i}]"
             _field(_object(trial, path), "step_s", path, _positive)
+            # Its timed steps: in profiles since auto weighs the trials' noise (none before).
+            for j, step in enumerate(_field(trial, "steps_s", path, _list, [])):
+                _positive(step, f"{path}.steps_s[{j}]")
             plan = _field(trial, "plan", path, _list)
             ok = len(plan) == len(buckets) and all(_is_integer(r) and r >= 0 for r in plan)
             _expect(ok, f"{path}.plan", f"a rank >= 0 for each of the {len(buckets)} buckets", plan)
@@ -458,6 +462,12 @@ def _accuracy(rank: int) -> float:
     return math.inf if rank == PLAIN else rank
 
 
+def _preference(rank: int) -> float:
+    """Higher is preferred where plans are as fast: plain (the exact average, and nothing
+    to gain from compressing), then the lowest rank (the fewest bytes on the wire)."""
+    return math.inf if rank == PLAIN else -rank
+
+
 def _choices(bucket: Bucket) -> list[int]:
     return [PLAIN, *sorted(bucket.options)]
 
@@ -489,14 +499,13 @@ def fastest(m: Measurements, ladder: Sequence[int]) -> tuple[list[int], float]:
     return min(results, key=lambda result: result[1])
 
 
-def most_accurate_within(
-    m: Measurements, plan: Sequence[int], budget_s: float, order: Sequence[int] | None = None
-) -> list[int]:
-    """`plan` with each bucket raised to its most accurate choice that keeps the step <= budget."""
+def preferred_within(m: Measurements, plan: Sequence[int], budget_s: float) -> list[int]:
+    """`plan` with each bucket moved to its preferred choice (plain, then the lowest rank)
+    that keeps the predicted step <= budget, bucket by bucket."""
     plan = list(plan)
-    for b in order if order is not None else range(len(m.buckets)):
-        for rank in sorted(_choices(m.buckets[b]), key=_accuracy, reverse=True):
-            if _accuracy(rank) <= _accuracy(plan[b]):
+    for b, bucket in enumerate(m.buckets):
+        for rank in sorted(_choices(bucket), key=_preference, reverse=True):
+            if _preference(rank) <= _preference(plan[b]):
                 break
             trial = [*plan[:b], rank, *plan[b + 1 :]]
             if predict(m, trial) <= budget_s:
@@ -506,7 +515,8 @@ def most_accurate_within(
 
 
 def choose(m: Measurements, ladder: Sequence[int], tolerance: float = 0.03) -> list[int]:
-    """The plan: the most accurate among those within `tolerance` of the shortest step.
+    """The plan: the preferred among those within `tolerance` of the shortest step (plain,
+    then the lowest rank, bucket by bucket).
 
     Example:
         >>> fast = Link(latency_s=1e-4, bytes_per_s=1e10)
@@ -517,7 +527,7 @@ def choose(m: Measurements, ladder: Sequence[int], tolerance: float = 0.03) -> l
         ([0], [2])
     """
     plan, shortest = fastest(m, ladder)
-    return most_accurate_within(m, plan, shortest * (1 + tolerance))
+    return preferred_within(m, plan, shortest * (1 + tolerance))
 
 
 # A plan the model expects this many times slower than its choice is not tried:
@@ -539,22 +549,84 @@ def candidates(m: Measurements, ladder: Sequence[int], tolerance: float = 0.03) 
     return out
 
 
-def pick_measured(
-    plans: Sequence[Sequence[int]], seconds: Sequence[float], tolerance: float = 0.03
-) -> list[int]:
-    """Of plans timed for real, the most accurate within `tolerance` of the fastest.
+# A plan counts as faster than another only where a one-sided test at this level says so
+# (`margin`): were the two as fast, with normal errors, it would be measured that much
+# faster in one comparison in 10^4, whatever the number of steps its noise is known from.
+NOISE_ALPHA = 1e-4
+# Student's t at 1 - NOISE_ALPHA by degrees of freedom, 1 to 30 (more take 30's, a little
+# above theirs): the t where betainc(df / 2, 1 / 2, 0, df / (df + t^2), regularized) / 2
+# is NOISE_ALPHA (mpmath, bisection), rounded up to 0.01 (tests/unit/test_planner.py
+# integrates the tail again).
+T_QUANTILE = (
+    3183.1, 70.71, 22.21, 13.04, 9.68, 8.03, 7.07, 6.45, 6.02, 5.7, 5.46, 5.27, 5.12, 4.99, 4.88,
+    4.8, 4.72, 4.65, 4.59, 4.54, 4.5, 4.46, 4.42, 4.39, 4.36, 4.33, 4.3, 4.28, 4.26, 4.24,
+)  # fmt: skip
 
-    Accuracy compares plans bucket by bucket: the one whose least accurate
-    bucket is most accurate, then the one whose buckets are more accurate on
-    the whole.
+
+def margin(groups: Sequence[Sequence[float]], steps: int, tolerance: float = 0.03) -> float:
+    """How much faster than another a timed plan must be measured to count as faster,
+    relative: the larger of `tolerance` and the trials' noise, the standard error of the
+    difference between two plans' mean steps over `steps` timed steps each, times Student's
+    t at 1 - NOISE_ALPHA (`T_QUANTILE`: the spread is estimated from few steps).
+
+    The spread of one step comes from `groups` (each the step times of one plan; the
+    non-finite ones left out), pooled about each group's own mean relative to it: the
+    step's jitter, not the plans' differences. Where no group has two steps, `tolerance`.
+
+    Example:
+        >>> plain, compressed = [1.00, 1.10, 0.90, 1.00], [0.95, 1.05, 0.85, 0.95]
+        >>> round(margin([plain, compressed], steps=4), 3)  # 8.03 x 8.4 % x (2 / 4) ** 0.5
+        0.476
     """
+    squares, freedom = 0.0, 0
+    for group in groups:
+        times = [t for t in group if math.isfinite(t)]
+        if len(times) < 2:
+            continue
+        mean = sum(times) / len(times)
+        squares += sum((t / mean - 1) ** 2 for t in times)
+        freedom += len(times) - 1
+    if not freedom:
+        return tolerance
+    t = T_QUANTILE[min(freedom, len(T_QUANTILE)) - 1]
+    return max(tolerance, t * math.sqrt(squares / freedom) * math.sqrt(2 / steps))
+
+
+def pick_measured(
+    plans: Sequence[Sequence[int]],
+    steps: Sequence[Sequence[float]],
+    tolerance: float = 0.03,
+    spread: Sequence[Sequence[float]] = (),
+) -> tuple[list[int], float]:
+    """Of plans timed for real (`steps`: each plan's timed step times), the preferred of
+    those whose mean step is within the `margin` of the fastest: the one with the most
+    plain buckets, then the lowest ranks (their sum), then the faster. Returns the plan
+    and the margin.
+
+    The margin is the larger of `tolerance` and the trials' noise, from the spread of
+    `steps` and of `spread` (more groups of steps of one plan each, e.g. the plain steps
+    measured before the trials). So plain stays unless a compressed plan was measured
+    faster than it by more than the noise, a bucket stays plain where a plan that sends it
+    plain is as fast, and of the compressed plans as fast as the fastest, the one of the
+    lowest ranks is taken.
+
+    Example:
+        >>> plans = [[0, 0], [1, 1], [2, 2]]
+        >>> steps = [[1.00, 1.10, 0.90, 1.00], [0.95, 1.05, 0.85, 0.95], [2.0, 2.1, 1.9, 2.0]]
+        >>> plan, noise = pick_measured(plans, steps)  # rank 1: 5 % faster, in 31 % noise
+        >>> plan, round(noise, 2)
+        ([0, 0], 0.31)
+    """
+    seconds = [sum(g) / len(g) for g in steps]
+    noise = margin([*spread, *steps], min(len(g) for g in steps), tolerance)
     shortest = min(seconds)
-    near = [list(p) for p, s in zip(plans, seconds) if s <= shortest * (1 + tolerance)]
+    near = [(list(p), s) for p, s in zip(plans, seconds) if s <= shortest * (1 + noise)]
 
-    def accuracy(plan):
-        return min(_accuracy(r) for r in plan), sum(min(_accuracy(r), 1e6) for r in plan)
+    def preference(timed):
+        plan, s = timed
+        return sum(r == PLAIN for r in plan), -sum(plan), -s
 
-    return max(near, key=accuracy)
+    return max(near, key=preference)[0], noise
 
 
 def raise_failing(

@@ -15,8 +15,9 @@ counted in steps from the start (every rank does the same at the same step):
               rank of the ladder, bucket by bucket, sending nothing (its cost)
     plan      the ranks' mean of all that, planner.candidates: a few plans
     try       each candidate TRIAL_STEPS steps; the first after a change is not
-              timed (it allocates); the ranks' mean step time of the others
-    settled   planner.pick_measured over the timed candidates: after
+              timed (it allocates); the others' times, each step's ranks' mean
+    settled   planner.pick_measured over the timed candidates (the preferred of
+              those within the trials' noise of the fastest, planner.margin): after
               MEASURE_STEPS + TRIAL_STEPS per candidate (1-4 of them) steps,
               at most 8 + 5 · 4 = 28 (the review of issue 46 saw 23-28).
     keep up   every CHECK_EVERY steps: buckets whose approximation fails (the
@@ -25,7 +26,8 @@ counted in steps from the start (every rank does the same at the same step):
               more than DRIFT from the settled one (the link changed), the link
               is timed again and, if the model then prefers another plan, the
               candidates are tried again; a new plan is taken only if it is
-              measured at least HYSTERESIS faster than the current one.
+              measured faster than the current one by at least HYSTERESIS, and
+              by more than the trials' noise.
 
 Every decision after the measurements is one decision for all ranks: taken
 on the first rank, from the ranks' means, and broadcast (`Tuner._shared`); a
@@ -68,7 +70,9 @@ PROFILE_VARIABLE = "HOROVOD_POWERSGD_PROFILE"
 CLEAN, TIMED, PROBE = (1, 2, 3), (4, 5), (6, 7)  # steps of the measure phase, by index
 MEASURE_STEPS = 8
 TRIAL_STEPS = 5
-TOLERANCE = 0.03  # plans this much slower than the fastest count as as fast
+# Plans this much slower than the fastest count as as fast (measured ones: more where the
+# trials' noise is more, planner.margin).
+TOLERANCE = 0.03
 CHECK_EVERY = 100
 DRIFT = 0.25
 HYSTERESIS = 0.05
@@ -252,7 +256,8 @@ class Tuner:
         self.phase = "measure"
         self.measurements: planner.Measurements | None = None
         self.candidates: list[list[int]] = []
-        self.trial_seconds: list[float] = []
+        self.trial_steps: list[list[float]] = []  # this rank's timed steps of each candidate
+        self._plain_steps: list[float] = []  # the clean steps' ranks' means: their spread too
         self.expected_s: float | None = None  # the settled plan's measured step time
         self.changes = 0  # plans taken so far
         self._replan_due = False  # the number of workers changed
@@ -343,8 +348,8 @@ class Tuner:
             # scratch gradients about twice the model's gradients (docs/auto.md).
             del probe
 
-    def _gather(self, opt) -> planner.Measurements:
-        """The ranks' means of what this rank measured."""
+    def _gather(self, opt) -> tuple[planner.Measurements, list[float]]:
+        """The ranks' means of what this rank measured, and of each clean step's time."""
         buckets = opt._reducer.buckets
         names = [f"b{b.index}.r1" for b in buckets]
         ready = [statistics.median(r.get(n, math.nan) for r in self._ready) for n in names]
@@ -355,9 +360,11 @@ class Tuner:
         compress = [min((c for c, _ in p), default=math.nan) for p in probes]
         total = [min((t for _, t in p), default=math.nan) for p in probes]
         spans = [statistics.median(self._clean_s), statistics.median(self._span_s)]
-        local = [*spans, *ready, *timed, *compress, *total]
+        clean = [*self._clean_s, *[math.nan] * len(CLEAN)][: len(CLEAN)]  # alike on all ranks
+        local = [*clean, *spans, *ready, *timed, *compress, *total]
         mean = self.comm.allreduce_sum(torch.tensor(local, dtype=torch.float64), "auto.m")
         mean = (mean / self.comm.size).tolist()
+        clean, mean = mean[: len(CLEAN)], mean[len(CLEAN) :]
         (step_s, span_s), mean = mean[:2], mean[2:]
         ready = mean[: len(buckets)]
         timed = mean[len(buckets) : len(buckets) + len(self._timed)]
@@ -382,7 +389,7 @@ class Tuner:
         measured = planner.Measurements(
             tuple(out), backward, step_s, link, self.config.rounds, rest_s, self.comm.size
         )
-        return measured if self.pinned is None else measured.with_link(self.pinned)
+        return (measured if self.pinned is None else measured.with_link(self.pinned)), clean
 
     def _write_profile(self, trials: list[dict] | None = None) -> None:
         """The measurements (and the candidates' measured steps, once timed) to the file
@@ -410,7 +417,7 @@ class Tuner:
                 os.remove(temporary)
 
     def _plan(self, opt) -> None:
-        self.measurements = self._gather(opt)
+        self.measurements, self._plain_steps = self._gather(opt)
         self._write_profile()
         if self.pinned is not None:
             # The real step times say nothing about a pinned link: the model decides.
@@ -432,11 +439,11 @@ class Tuner:
     # --- try --------------------------------------------------------------------------------
     def _begin_trials(self, opt, keep: list[int] | None = None) -> None:
         """Time every candidate; `keep`: the plan to keep unless another is clearly faster."""
-        self.phase, self.trial_seconds, self._window, self._keep = "try", [], [], keep
+        self.phase, self.trial_steps, self._window, self._keep = "try", [], [], keep
         self._next_trial(opt)
 
     def _next_trial(self, opt) -> None:
-        self._apply(opt, self.candidates[len(self.trial_seconds)])
+        self._apply(opt, self.candidates[len(self.trial_steps)])
         # Its first compressed step is not timed: caches and allocators settle in it.
         self._timed_after = max(opt.powersgd_step, self.start) + 1
 
@@ -446,19 +453,22 @@ class Tuner:
         self._window.append(seconds)
         if len(self._window) < TRIAL_STEPS - 1:
             return
-        self.trial_seconds.append(statistics.median(self._window))
+        self.trial_steps.append(self._window)
         self._window = []
-        if len(self.trial_seconds) < len(self.candidates):
+        if len(self.trial_steps) < len(self.candidates):
             self._next_trial(opt)
             return
-        local = torch.tensor(self.trial_seconds, dtype=torch.float64)
-        seconds = (self.comm.allreduce_sum(local, "auto.t") / self.comm.size).tolist()
-        self._write_profile([{"plan": p, "step_s": t} for p, t in zip(self.candidates, seconds)])
-        best = planner.pick_measured(self.candidates, seconds, TOLERANCE)
+        # Each timed step's ranks' mean: the job's step (the ranks wait for each other).
+        local = torch.tensor(self.trial_steps, dtype=torch.float64)
+        steps = (self.comm.allreduce_sum(local, "auto.t") / self.comm.size).tolist()
+        seconds = [statistics.fmean(g) for g in steps]
+        timed = zip(self.candidates, seconds, steps)
+        self._write_profile([{"plan": p, "step_s": s, "steps_s": g} for p, s, g in timed])
+        best, margin = planner.pick_measured(self.candidates, steps, TOLERANCE, [self._plain_steps])
         if self._keep is not None and self._keep in self.candidates:
             kept = seconds[self.candidates.index(self._keep)]
-            if seconds[self.candidates.index(best)] > kept * (1 - HYSTERESIS):
-                best = self._keep  # not clearly faster: no change
+            if seconds[self.candidates.index(best)] > kept * (1 - max(HYSTERESIS, margin)):
+                best = self._keep  # not clearly faster (nor faster by more than the noise)
         best, best_s = self._shared((best, seconds[self.candidates.index(best)]), "auto.pick")
         self._settle(opt, best, best_s)
 

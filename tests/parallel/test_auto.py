@@ -287,6 +287,10 @@ def test_the_profile_carries_the_candidates_timed_steps(tmp_path, monkeypatch):
         trials = data["trials"]
         assert [t["plan"] for t in trials] == opt._tuner.candidates
         assert all(t["step_s"] > 0 for t in trials)
+        # Each timed step (the ranks' mean), from which auto knows the trials' noise.
+        for t in trials:
+            assert len(t["steps_s"]) == tuner_module.TRIAL_STEPS - 1
+            assert t["step_s"] == pytest.approx(sum(t["steps_s"]) / len(t["steps_s"]))
         assert planner.Measurements.from_dict(data).buckets  # still a profile
 
 

@@ -3,15 +3,21 @@
 import dataclasses
 import json
 import math
+import os
+import sys
 
 import pytest
 
 from horovod_powersgd import planner
 from horovod_powersgd.planner import PLAIN, Bucket, Link, Measurements, Option
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+import noise_rule
+
 MB = 1e6
 FAST = Link(latency_s=50e-6, bytes_per_s=5e9)  # about 40 Gbit/s
 SLOW = Link(latency_s=1e-3, bytes_per_s=6.25e6)  # 50 Mbit/s
+LADDER = [1, 2, 4, 8]
 
 
 def option(rank, work_s=0.004, nbytes=4 * MB):
@@ -50,19 +56,22 @@ def test_a_slow_link_compresses_every_bucket():
     assert planner.predict(m, plan) < 0.1 * planner.predict(m, [PLAIN] * 4)
 
 
-def test_among_plans_about_as_fast_the_higher_ranks_win():
-    # At 50 Mbit/s the factors of the early buckets leave while backward still
-    # runs, so a higher rank costs them (almost) nothing; the last bucket's are
-    # on the step's critical path.
+def test_among_plans_about_as_fast_the_lowest_ranks_win():
+    # At 50 Mbit/s the factors of the early buckets leave while backward still runs, so
+    # the model expects a higher rank to cost them (almost) nothing; but at a small step
+    # it was off (issue 66: 20x rank 1's bytes on the wire), and rank 1 sends the least.
     m = job(SLOW, work_s=0.0001)
-    fastest, shortest = planner.fastest(m, [1, 2, 4, 8])
-    chosen = planner.choose(m, [1, 2, 4, 8], tolerance=0.03)
-    assert fastest == [1, 1, 1, 1]
-    assert planner.predict(m, chosen) <= shortest * 1.03
-    assert all(c >= f for c, f in zip(chosen, fastest)) and chosen != fastest
-    assert chosen == sorted(chosen, reverse=True)  # the earlier, the higher
-    # With no tolerance, the fastest plan is kept.
-    assert planner.choose(m, [1, 2, 4, 8], tolerance=0.0) == fastest
+    assert planner.fastest(m, LADDER)[0] == planner.choose(m, LADDER) == [1, 1, 1, 1]
+    # The last bucket's rank-1 work measured slower (a disturbed probe): rank 2 is the
+    # fastest for it by 1 ms, within the tolerance, so rank 1 is taken; with none, rank 2.
+    last = m.buckets[-1]
+    slow = dataclasses.replace(last, options={**last.options, 1: option(1, work_s=0.007)})
+    m = dataclasses.replace(m, buckets=(*m.buckets[:-1], slow))
+    fastest, shortest = planner.fastest(m, LADDER)
+    chosen = planner.choose(m, LADDER, tolerance=0.03)
+    assert fastest == [1, 1, 1, 2] and chosen == [1, 1, 1, 1]
+    assert shortest < planner.predict(m, chosen) <= shortest * 1.03
+    assert planner.choose(m, LADDER, tolerance=0.0) == fastest
 
 
 def test_a_bucket_whose_work_costs_more_than_it_saves_stays_plain():
@@ -75,15 +84,17 @@ def test_a_bucket_whose_work_costs_more_than_it_saves_stays_plain():
     assert planner.choose(m, [2]) == [PLAIN, 2]
 
 
-def test_what_hides_behind_backward_costs_nothing_so_early_buckets_take_a_higher_rank():
+def test_what_hides_behind_backward_costs_nothing_yet_the_lowest_rank_is_taken():
     # Two buckets: the first is final early and its message hides behind the
-    # backward pass that follows; the last leaves when backward ends.
+    # backward pass that follows; the last leaves when backward ends. The model sees
+    # no cost in a higher rank for the first, but no gain either: rank 1 is taken.
     opts = {r: Option(1e-4, 2e-4, 1e6 * r, 0.0) for r in (1, 2, 4, 8)}
     m = Measurements(
         (Bucket(0.01, 20 * MB, opts), Bucket(0.2, 20 * MB, opts)), 0.2, 0.3, FAST, rounds=1
     ).with_link(Link(1e-4, 50 * MB))
-    plan = planner.choose(m, [1, 2, 4, 8], tolerance=0.0)
-    assert plan[0] > plan[1]
+    assert planner.predict(m, [8, 1]) == planner.predict(m, [1, 1])
+    assert planner.predict(m, [1, 8]) > planner.predict(m, [1, 1])
+    assert planner.choose(m, LADDER, tolerance=0.0) == [1, 1]
 
 
 def test_link_fit_recovers_latency_and_bandwidth():
@@ -115,13 +126,96 @@ def test_plans_expected_many_times_slower_are_not_tried():
     assert all(planner.predict(m, p) <= planner.HOPELESS * best for p in found)
 
 
-def test_pick_measured_takes_the_most_accurate_of_the_fastest():
+def test_pick_measured_takes_plain_then_the_lowest_ranks_of_the_fastest():
     plans = [[1, 1], [PLAIN, PLAIN], [4, 4], [4, 1]]
-    # Plain is 2 % slower than the fastest: within 3 %, and the most accurate.
-    assert planner.pick_measured(plans, [1.00, 1.02, 1.30, 1.05]) == [PLAIN, PLAIN]
-    # Plain 10 % slower: out; rank 4 everywhere would be more accurate but is slow.
-    assert planner.pick_measured(plans, [1.00, 1.10, 1.30, 1.02]) == [4, 1]
-    assert planner.pick_measured(plans, [1.00, 1.10, 1.30, 1.05]) == [1, 1]
+
+    def pick(seconds):  # steps that do not vary: the tolerance alone counts
+        return planner.pick_measured(plans, [[s] * 4 for s in seconds])
+
+    # Plain is 2 % slower than the fastest: within 3 %, and preferred.
+    assert pick([1.00, 1.02, 1.30, 1.05]) == ([PLAIN, PLAIN], 0.03)
+    # Plain 10 % slower: out; of the rest within 3 %, the lowest ranks.
+    assert pick([1.02, 1.10, 1.30, 1.00]) == ([1, 1], 0.03)
+    assert pick([1.04, 1.10, 1.30, 1.00]) == ([4, 1], 0.03)
+    # A bucket plain in a plan as fast as the others stays plain.
+    assert planner.pick_measured([[1, 1], [PLAIN, 4]], [[1.0] * 4, [1.02] * 4])[0] == [PLAIN, 4]
+
+
+def test_the_noise_threshold_is_students_t_at_its_level():
+    # T_QUANTILE[df - 1]: P(T > t) = NOISE_ALPHA for Student's t with df degrees of
+    # freedom (a little less: rounded up), here by Simpson's rule over t = x / v, v in (0, 1].
+    for df in (2, 5, 8, 11, 14, 30):
+        x = planner.T_QUANTILE[df - 1]
+        scale = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+        def density(v, x=x, df=df, scale=scale):
+            return 0.0 if v == 0 else scale * (1 + (x / v) ** 2 / df) ** (-(df + 1) / 2) * x / v**2
+
+        n = 4000
+        inner = sum((4 if k % 2 else 2) * density(k / n) for k in range(1, n))
+        tail = (density(0.0) + inner + density(1.0)) / (3 * n)
+        assert 0.98 * planner.NOISE_ALPHA < tail <= planner.NOISE_ALPHA, df
+    # The larger of the tolerance and the noise; the tolerance where nothing varies.
+    assert planner.margin([[1.0] * 4, [2.0] * 4], steps=4) == 0.03
+    assert planner.margin([[1.0]], steps=4, tolerance=0.05) == 0.05
+
+
+# --- a choice that does not follow noise: seeded jobs of timed trials -------------------
+# scripts/noise_rule.py's stand-in: the clean plain steps and each candidate's timed steps,
+# every step its plan's true time off by a normal error of 5 % (and, `outliers`, one step
+# in 20 also 30-100 % slower). Each test fails on the pick before the noise (the most
+# accurate within 3 % of the fastest median, main's model choice): in these 200 jobs it
+# compressed in 77-105, took a rank above 1 in 146, and gave 2 and 3 plans.
+SEEDS = range(200)
+JITTER = 0.05
+
+
+def picks(plans, truths, plain_s, outliers=False):
+    """The plan the tuner takes in each seeded job, and the margins it took them with."""
+    out = []
+    for seed in SEEDS:
+        clean, steps = noise_rule.timed_job(seed, plain_s, truths, JITTER, outliers)
+        out.append(planner.pick_measured(plans, steps, 0.03, [clean]))
+    return out
+
+
+@pytest.mark.parametrize("outliers", [False, True], ids=["normal", "bursts"])
+@pytest.mark.parametrize("gain", [0.0, 0.01])
+def test_compression_that_gains_less_than_the_noise_stays_plain_in_every_job(gain, outliers):
+    # Plain, the model's choice and rank 1 everywhere as the tuner lists them: rank 1 and
+    # the choice faster than plain by `gain`, less than the trials' noise (5 % a step over
+    # 4 steps each: 3.5 % between two plans); rank 2 5 % slower.
+    truths = [1.0 - gain, 1.0, 1.0 - gain, 1.05]
+    found = picks(noise_rule.PLANS, truths, 1.0, outliers)
+    assert all(plan == noise_rule.PLAIN for plan, _ in found)
+    # Each job's margin is the noise it measured, far above the tolerance.
+    assert min(noise for _, noise in found) > 2 * 0.03
+
+
+def test_on_a_slow_link_the_lowest_rank_is_taken_in_every_job():
+    # 50 Mbit/s: plain is hopeless, and the compressed candidates' true steps are what the
+    # model predicts for them, within a few per cent of each other (the model's choice
+    # before this rule put the early buckets at higher ranks, "hidden behind backward").
+    m = job(SLOW, work_s=0.0001)
+    plans = planner.candidates(m, LADDER)
+    truths = [planner.predict(m, p) for p in plans]
+    plain_s = planner.predict(m, [PLAIN] * 4)
+    best = min(truths)
+    for plan, noise in picks(plans, truths, plain_s):
+        assert plan == [1, 1, 1, 1]
+        assert planner.predict(m, plan) <= best * (1 + noise)
+
+
+@pytest.mark.parametrize("link", [Link(1e-4, 1e9), Link(5e-4, 25e6)], ids=["8gbit", "200mbit"])
+def test_the_same_job_twice_takes_the_same_plan(link):
+    # Jobs alike but for the noise of their steps: at 8 Gbit/s compressing is predicted
+    # within a few per cent of plain; at 200 Mbit/s it pays, at ranks near each other.
+    m = job(link)
+    plans = planner.candidates(m, LADDER)
+    assert len(plans) >= 2
+    truths = [planner.predict(m, p) for p in plans]
+    found = {tuple(plan) for plan, _ in picks(plans, truths, planner.predict(m, [PLAIN] * 4))}
+    assert len(found) == 1, found
 
 
 def test_a_failing_bucket_moves_one_rank_up_within_the_budget_only():

@@ -111,6 +111,8 @@ def _set(value, *path):
             "buckets[0].tensors[0][3].2: expected [P bytes, Q bytes]",
         ),
         (_set([2], "trials", 0, "plan"), "trials[0].plan: expected a rank >= 0 for each of the 2"),
+        (_set(0.06, "trials", 0, "steps_s"), "trials[0].steps_s: expected a list, got 0.06"),
+        (_set([0.06, 0], "trials", 0, "steps_s"), "trials[0].steps_s[1]: expected a finite number"),
         (_set(2, "format"), "format: 2 is not supported (this version reads format 1, or none"),
         (_set("1", "format"), "format: '1' is not supported (this version reads format 1,"),
     ],
