@@ -23,6 +23,8 @@ Configurations (``--configs``, comma separated; ``NAME:R`` picks a PowerSGD rank
   powersgd-nostats
                  powersgd with layer_stats=False (rank --compare-rank): beside powersgd,
                  the cost of the per-layer statistics and the early warning
+  powersgd-none  the library with nothing compressed (min_compression_rate=1e12): beside
+                 horovod, the fixed cost it adds to a step
   powersgd-hier  hierarchical=True at every rank of --ranks: exact in the node, compressed
                  between nodes (a job of several nodes, e.g. under scripts/two_nodes.sh)
   powersgd-auto, powersgd-1round-auto

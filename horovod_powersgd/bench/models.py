@@ -16,6 +16,10 @@
   shape alone is slow (docs/benchmarks-overheads.md): 298 shapes, 8.15M
   parameters.
 
+* ``smallstep``: a model whose step takes 10-50 ms, as many do on a GPU: a token
+  embedding (8,192 x 128, averaged over 16 tokens), two wide layers (128-1024-128)
+  and 24 narrow ones (128 x 128, each with a LayerNorm), 10 classes: 1.72M
+  parameters, 6.9 MB of gradients a step in 103 tensors, most of them small.
 * ``tiny``: a 3-layer MLP (256-512-512-10, 0.4M parameters) for tests of the benchmark
   itself: a step of a few tens of milliseconds at batch 128-256 on one core.
 
@@ -191,6 +195,37 @@ def _lstm_loss(model: nn.Module, batch) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+SMALL_VOCAB, SMALL_WIDTH, SMALL_WIDE, SMALL_NARROW, SMALL_TOKENS = 8192, 128, 1024, 24, 16
+
+
+class SmallStep(nn.Module):
+    """A model with a GPU-sized step on a CPU (see the module docstring)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(SMALL_VOCAB, SMALL_WIDTH)
+        self.wide = nn.Sequential(
+            nn.Linear(SMALL_WIDTH, SMALL_WIDE), nn.GELU(), nn.Linear(SMALL_WIDE, SMALL_WIDTH)
+        )
+        self.narrow = nn.ModuleList(
+            nn.Sequential(nn.Linear(SMALL_WIDTH, SMALL_WIDTH), nn.LayerNorm(SMALL_WIDTH))
+            for _ in range(SMALL_NARROW)
+        )
+        self.head = nn.Linear(SMALL_WIDTH, 10)
+
+    def forward(self, tokens):
+        x = self.tokens(tokens).mean(dim=1)
+        x = x + self.wide(x)
+        for layer in self.narrow:
+            x = x + torch.tanh(layer(x))
+        return self.head(x)
+
+
+def _small_step_batch(batch_size: int, generator: torch.Generator):
+    tokens = torch.randint(0, SMALL_VOCAB, (batch_size, SMALL_TOKENS), generator=generator)
+    return tokens, torch.randint(0, 10, (batch_size,), generator=generator)
+
+
 def _tiny() -> nn.Module:
     return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
                          nn.Linear(512, 10))  # fmt: skip
@@ -207,6 +242,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable, Callable]] = {
     "lstm": (LSTMLanguageModel, _lstm_batch, _lstm_loss),
     "manyshapes": (ManyShapes, _many_shapes_batch, _many_shapes_loss),
     "gpt": (GPT, _gpt_batch, _lstm_loss),  # the same next-token loss
+    "smallstep": (SmallStep, _small_step_batch, _resnet_loss),  # classification too
     "tiny": (_tiny, _tiny_batch, _resnet_loss),  # classification, like ResNet-18's
 }
 

@@ -29,6 +29,9 @@ HOROVOD_CONFIGS = (
     "powersgd-1round",
     "powersgd-1round-fp16",
     "powersgd-nostats",
+    # The library with nothing compressed (min_compression_rate=1e12): beside plain
+    # Horovod, the fixed cost it adds to a step.
+    "powersgd-none",
     # hierarchical=True: exact in the node, compressed between nodes (hierarchy.py).
     "powersgd-hier",
     # rank="auto": plans per bucket from this job's measurements (untimed warm-up
@@ -64,7 +67,9 @@ def _setup_horovod(args, model) -> tuple[torch.optim.Optimizer, Callable[[], dic
             rank="auto" if args.config.endswith("auto") else args.rank,
             rounds=1 if "1round" in args.config else 2,
             start_iter=args.start_iter,
-            min_compression_rate=args.min_compression_rate,
+            min_compression_rate=(
+                1e12 if args.config == "powersgd-none" else args.min_compression_rate
+            ),
             comm_dtype=torch.float16 if args.config.endswith("fp16") else None,
             # Per-layer statistics are on by default; this config measures their cost.
             layer_stats=args.config != "powersgd-nostats",

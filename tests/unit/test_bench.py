@@ -322,9 +322,13 @@ def test_statistics_cost_is_a_target_of_powersgd_against_powersgd_nostats():
 
 
 @pytest.mark.parametrize(
-    ("config", "layer_stats"), [("powersgd", True), ("powersgd-nostats", False)]
+    ("config", "layer_stats", "rate"),
+    [("powersgd", True, 2.0), ("powersgd-nostats", False, 2.0), ("powersgd-none", True, 1e12)],
 )
-def test_worker_turns_statistics_off_only_for_powersgd_nostats(monkeypatch, config, layer_stats):
+def test_worker_turns_statistics_off_only_for_powersgd_nostats(
+    monkeypatch, config, layer_stats, rate
+):
+    # ... and powersgd-none compresses nothing: the library's fixed cost beside Horovod.
     import horovod.torch as hvd
 
     import horovod_powersgd as hps
@@ -343,6 +347,7 @@ def test_worker_turns_statistics_off_only_for_powersgd_nostats(monkeypatch, conf
     with pytest.raises(StopIteration):
         worker._setup_horovod(args, model)
     assert built["layer_stats"] is layer_stats and built["rank"] == 2
+    assert built["min_compression_rate"] == rate
 
 
 def test_markdown_report_keeps_hand_written_notes(tmp_path):
@@ -367,3 +372,18 @@ def test_many_shapes_model_has_a_shape_per_layer_and_trains_on_its_batch():
     loss = loss_fn(model, make_batch(4, torch.Generator().manual_seed(0)))
     loss.backward()
     assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
+
+
+def test_small_step_model_sends_many_small_tensors_and_trains_on_its_batch():
+    # issue 66's kind of model: a GPU-sized step, most tensors too small to compress.
+    from horovod_powersgd import PowerSGDConfig
+
+    make_model, make_batch, loss_fn = MODELS["smallstep"]
+    model = make_model()
+    params = list(model.parameters())
+    compressible = [p for p in params if PowerSGDConfig(rank=1).compresses(p.shape)]
+    assert len(params) == 103 and 26 <= len(compressible) < len(params) / 2
+    assert 6e6 < 4 * sum(p.numel() for p in params) < 8e6  # bytes of gradient a step
+    loss = loss_fn(model, make_batch(4, torch.Generator().manual_seed(0)))
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in params)
