@@ -19,7 +19,7 @@ counted in steps from the start (every rank does the same at the same step):
     settled   planner.pick_measured over the timed candidates (the preferred of
               those within the trials' noise of the fastest, planner.margin): after
               MEASURE_STEPS + TRIAL_STEPS per candidate (1-4 of them) steps,
-              at most 8 + 5 · 4 = 28 (the review of issue 46 saw 23-28).
+              at most 8 + 5 · 4 = 28 (23-28 in the jobs reviewed).
     keep up   every CHECK_EVERY steps: buckets whose approximation fails (the
               statistics' relative error >= FAILING) move a rank up when the
               model keeps the step within TOLERANCE; and if the step time moved

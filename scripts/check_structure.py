@@ -4,6 +4,8 @@
   also runs plain Horovod, imports it itself).
 - No class over 350 lines, no function over 80 (docstrings not counted).
 - No module imports one that sits above it in docs/architecture.md's order.
+- The package speaks of itself, not of its history: no "issue N" of this project in
+  its text (another project's, "PyTorch issue 74148", names its project first).
 
     python scripts/check_structure.py
 """
@@ -11,10 +13,13 @@
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "horovod_powersgd"
+# "issue 46", "issues 54 and 57", not after the name of another project.
+OWN_ISSUE = re.compile(r"(?<!PyTorch )(?<!Horovod )(?<!torch )\bissues? \d+", re.IGNORECASE)
 MAX_CLASS, MAX_FUNCTION = 350, 80
 # The modules from the bottom up: each may import only those before it.
 LAYERS = [
@@ -36,8 +41,20 @@ def size(node: ast.AST) -> int:
     return lines
 
 
-def problems() -> list[str]:
+def history(root: Path = PACKAGE) -> list[str]:
+    """Lines of the package (bench/ included) that cite this project's own issues."""
     found = []
+    for path in sorted(root.rglob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if OWN_ISSUE.search(line):
+                found.append(
+                    f"{path.relative_to(root.parent)}:{number} cites an issue: {line.strip()}"
+                )
+    return found
+
+
+def problems() -> list[str]:
+    found = history()
     for path in sorted(PACKAGE.glob("*.py")):
         module = path.stem
         if module not in LAYERS:

@@ -178,7 +178,7 @@ def nccl_ring_latency() -> Case:
 
     return _ring_latency(
         "NCCL ring latency",
-        "issue 54 (as quoted; not found in a source reachable here)",
+        "as quoted to this project (not found in a source reachable here)",
         "2/4/8 nodes x 8 GPUs (AWS p3dn.24xlarge), 16/32/64 ranks",
         "ring (NCCL_ALGO=Ring); message 8 bytes",
         published,
@@ -284,7 +284,7 @@ def powersgd_resnet18() -> Case:
     p, q, plain = factor_bytes(shapes, 2)
     return Case(
         name="PowerSGD paper, 16 workers",
-        source="issue 54 (as quoted; the paper's table not reachable here)",
+        source="as quoted to this project (the paper's table not reachable here)",
         quantity="rank-2 step / SGD step",
         inputs={
             "workers": "16 (as quoted)",

@@ -1,0 +1,28 @@
+"""scripts/check_structure.py, the rules `make lint` holds the package to."""
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location(
+    "check_structure", ROOT / "scripts/check_structure.py"
+)
+check_structure = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(check_structure)
+
+
+def test_the_package_cites_no_issue_of_its_own_but_may_cite_another_projects(tmp_path):
+    package = tmp_path / "horovod_powersgd"
+    (package / "bench").mkdir(parents=True)
+    (package / "tuner.py").write_text('"""28 steps (the review of issue 46 saw 23-28)."""\n')
+    (package / "bench" / "published.py").write_text(
+        'SOURCES = ["PyTorch issue 74148", "Horovod issue 3881", "issues 54 and 57"]\n'
+    )
+    (package / "linalg.py").write_text("# Issue 7: TF32\nx = 1  # tissue 3 is not one\n")
+    found = check_structure.history(package)
+    assert [line.split(" cites")[0] for line in found] == [
+        "horovod_powersgd/bench/published.py:1",
+        "horovod_powersgd/linalg.py:1",
+        "horovod_powersgd/tuner.py:1",
+    ], found
+    assert check_structure.history() == []  # the package itself, today
