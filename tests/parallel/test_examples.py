@@ -360,14 +360,17 @@ def test_every_example_trains_with_rank_auto_in_both_schedules_and_fp16(
     tiny_inputs, example, rounds
 ):
     # A pinned slow link: auto measures 8 plain steps, then the model compresses.
-    # 4 epochs of 3 steps: the last is compressed.
-    auto = ["--powersgd-rank", "auto", "--powersgd-link", "10mbit", "--rounds", str(rounds),
+    # 4 epochs of 3 steps: the last is compressed. 1 Mbit/s, where compressing the tiny
+    # transformer's step is about twice as fast as plain even with an fp16 wire: at
+    # 10 Mbit/s its model put the two within 1-4 % of each other, so the machine's speed
+    # decided (plain under the 3 % tolerance on some runs, 2026-12-05).
+    auto = ["--powersgd-rank", "auto", "--powersgd-link", "1mbit", "--rounds", str(rounds),
             "--epochs", "4"]  # fmt: skip
     for record in (tiny_run(example, tiny_inputs, *auto),
                    tiny_run(example, tiny_inputs, *auto, "--fp16-allreduce")):  # fmt: skip
         assert [e["steps"] for e in record["epochs"]] == [3, 3, 3, 3]
         assert all(math.isfinite(e["train_loss"]) for e in record["epochs"])
-        assert record["epochs"][-1]["ratio"] > 1, "auto compressed nothing on a 10 Mbit/s link"
+        assert record["epochs"][-1]["ratio"] > 1, "auto compressed nothing on a 1 Mbit/s link"
         # Each epoch records the buckets' ranks: plain while measuring, then the plan.
         plans = [e["plan"] for e in record["epochs"]]
         assert not any(plans[0]) and any(plans[-1]), plans
