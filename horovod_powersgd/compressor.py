@@ -552,6 +552,9 @@ class PowerSGDCompressor:
         """
         self._joint = [[], []]
         for phase in (0, 1):
+            if phase and all(f.partner_batches[0] is f.partner_batches[1] for f in self.factors):
+                self._joint[1] = self._joint[0]  # rounds=2: the same partners every step
+                break
             kinds: dict[tuple, list[Factors]] = {}
             for factors in self.factors:
                 kinds.setdefault((factors.device, factors.dtype), []).append(factors)

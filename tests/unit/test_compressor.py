@@ -538,7 +538,9 @@ def test_buckets_orthogonalised_together_give_what_each_bucket_gives_alone(round
     # as it can (one launch sequence a batch on a GPU, not one a bucket); each
     # matrix must come out as it would in its own bucket. (3, 50) at rank 4 is full
     # rank; rounds=1 also leaves batches of one group of a later bucket (views of
-    # that bucket's own buffers).
+    # that bucket's own buffers). Measured over seeds 31-40, both schedules: at most
+    # 1.4e-6 apart with Householder (padding changes its rounding), 0 with CholeskyQR;
+    # the bound, 1e-4, leaves room for other BLAS kernels.
     torch.manual_seed(31)
     shapes = {"a": (24, 40), "b": (40, 24), "c": (3, 50), "d": (64, 64), "e": (100, 20)}
     bucket_of = {"a": 0, "b": 1, "c": 1, "d": 2, "e": 2}
