@@ -108,27 +108,30 @@ def _restored(value):
     return value.value() if isinstance(value, _TensorSetting) else value
 
 
-def signature(opt, optimizer_settings: bool = True) -> list[tuple]:
+def signature(state, groups: list[dict] | None = None, wrapped: str = "") -> list[tuple]:
     """What must be equal on every rank: parameters, settings, the wrapped optimizer's.
 
-    `optimizer_settings`: the wrapped optimizer's type and param-group settings
+    `state`: the optimizer's PowerSGD state (state.PowerSGDState): its parameters,
+    settings and communicator. With `groups` (the optimizer's param_groups), the
+    wrapped optimizer's type (`wrapped`, its class's name) and param-group settings
     too. Not at construction, where Horovod lets each rank build it with its own
     settings until hvd.broadcast_optimizer_state brings rank 0's (they are
     compared at the first step instead), nor in an elastic sync, where a
     joining worker's learning rate is the initial one until that broadcast.
     """
-    compression = getattr(opt.compression, "__qualname__", type(opt.compression).__name__)
-    rows = [(opt._names[p], tuple(p.shape), str(p.dtype)) for p in opt._params]
+    comm, config = state.comm, state.config
+    compression = getattr(comm.compression, "__qualname__", type(comm.compression).__name__)
+    rows = [(state.names[p], tuple(p.shape), str(p.dtype)) for p in state.params]
     # Field by field, so that a difference is named (`_first_difference`).
-    settings = [(f.name, repr(getattr(opt.config, f.name))) for f in dataclasses.fields(opt.config)]
-    settings += [("op", str(opt.op)), ("compression", compression)]
+    settings = [(f.name, repr(getattr(config, f.name))) for f in dataclasses.fields(config)]
+    settings += [("op", str(comm.op)), ("compression", compression)]
     rows.append(("config", tuple(settings)))
-    rows.append(("link", opt._link_setting))
-    rows.append(("orthogonalization", opt._orthogonalization))
-    if optimizer_settings:
-        rows.append(("optimizer", opt._base.__qualname__))
-        rows.append(("groups", len(opt.param_groups)))
-        for index, group in enumerate(opt.param_groups):
+    rows.append(("link", state.link_setting))
+    rows.append(("orthogonalization", state.orthogonalization))
+    if groups is not None:
+        rows.append(("optimizer", wrapped))
+        rows.append(("groups", len(groups)))
+        for index, group in enumerate(groups):
             for key in sorted(k for k in group if k not in _NOT_SETTINGS):
                 rows.append(("setting", index, key, _settable(group[key])))
     return rows
@@ -228,7 +231,7 @@ def _first_difference(mine, other, my_rank, other_rank) -> str:
     return "unknown difference"
 
 
-def settings_agreed(opt) -> str | None:
+def settings_agreed(state, groups: list[dict], wrapped: str) -> str | None:
     """Where the wrapped optimizer's settings differ across ranks, take the first rank's.
 
     At the first step and at every drift check, once the digest of `signature`
@@ -248,9 +251,9 @@ def settings_agreed(opt) -> str | None:
         ValueError: on every rank alike where they cannot be taken over: another
             optimizer type or number of param groups, or another model.
     """
-    blob = pickle.dumps(signature(opt))
-    everyone = [pickle.loads(b) for b in opt._comm.allgather_bytes(blob, "settings.full")]
-    ranks = hvd_comm.members(opt.process_set)
+    blob = pickle.dumps(signature(state, groups, wrapped))
+    everyone = [pickle.loads(b) for b in state.comm.allgather_bytes(blob, "settings.full")]
+    ranks = hvd_comm.members(state.comm.process_set)
     for other_rank, other in enumerate(everyone):
         fixed = [[row for row in rows if row[0] != "setting"] for rows in (everyone[0], other)]
         if fixed[0] != fixed[1]:
@@ -274,11 +277,11 @@ def settings_agreed(opt) -> str | None:
         if values[0] == "unset" or not _restorable(values[0]):
             kept.append(f"{key!r} of param group {index}")
         else:
-            _take_over(opt.param_groups[index], key, _restored(values[0]))
+            _take_over(groups[index], key, _restored(values[0]))
     if not lines:  # equal values that pickle apart (0.0 and -0.0)
         return None
     message = (
-        f"the wrapped optimizer's settings differed across ranks at step {opt.powersgd_step}: "
+        f"the wrapped optimizer's settings differed across ranks at step {state.step}: "
         + "; ".join(lines)
         + f". Every rank now uses rank {ranks[0]}'s"
         + (f" (except {', '.join(kept)}, which cannot be sent: kept)" if kept else "")
@@ -360,16 +363,25 @@ def state_digest(step: int, shared: dict) -> list[int]:
 class Agreement:
     """Whether the ranks must agree on the shared PowerSGD state before the next step.
 
+    Its steps take the optimizer's PowerSGD state (state.PowerSGDState) and
+    param_groups (which `load_state_dict` replaces: read at each step).
+
     Args:
         active: this rank is in the optimizer's process set.
         world_size: the process set's size now.
+        wrapped: the wrapped optimizer's type, by name (compared across ranks).
         check_settings: compare the wrapped optimizer's settings at the first
             agreement (False under elastic Horovod, whose sync compares the rest).
         frozen: the optimizer's parameters that did not require grad at construction.
+        on_refused: called before such parameters are refused, now requiring grad (the
+            optimizer forgets the step, which did not start: the next may, once fixed).
     """
 
-    def __init__(self, active: bool, world_size: int, check_settings: bool = True, frozen=()):
-        self.active = active
+    def __init__(
+        self, active: bool, world_size: int, wrapped: str = "", check_settings: bool = True,
+        frozen=(), on_refused=lambda: None,
+    ):  # fmt: skip
+        self.active, self.wrapped, self.on_refused = active, wrapped, on_refused
         # Parameters that did not require grad at construction: refused once they do.
         self.frozen = list(frozen)
         self.pending = active  # agree before the next step's first collective
@@ -384,32 +396,32 @@ class Agreement:
         self.pending = self.active
         self.loaded = self.loaded or loaded
 
-    def begin_step(self, opt) -> None:
+    def begin_step(self, state, groups: list[dict]) -> None:
         """At a step's first hook, before its first collective: agree if due, resized?"""
-        if any(SYNC_KEY in group for group in opt.param_groups):
-            self._broadcast_ran(opt)
+        if any(SYNC_KEY in group for group in groups):
+            self._broadcast_ran(groups)
         if self.pending or self.settings_due or any(p.requires_grad for p in self.frozen):
-            self.agree(opt)  # may change the step counter: first
-        if opt._comm.size != self.world_size:
-            self._resized(opt)
+            self.agree(state, groups)  # may change the step counter: first
+        if state.comm.size != self.world_size:
+            self._resized(state)
 
-    def _resized(self, opt) -> None:
+    def _resized(self, state) -> None:
         # Elastic Horovod skips the state sync when workers only left, so the
         # world size is checked at every step too: residuals of another world
         # size are stale.
-        opt.compressor.reset_error()
-        self.world_size = opt._comm.size
-        if opt._monitor is not None:
-            opt._monitor.workers = opt._comm.size
-        opt._tuner.resized(opt)
+        state.compressor.reset_error()
+        self.world_size = state.comm.size
+        if state.monitor is not None:
+            state.monitor.workers = state.comm.size
+        state.tuner.resized(state)
 
-    def _broadcast_ran(self, opt) -> None:
+    def _broadcast_ran(self, groups: list[dict]) -> None:
         """hvd.broadcast_optimizer_state ran (see SYNC_KEY): every rank agrees now."""
-        for group in opt.param_groups:
+        for group in groups:
             group.pop(SYNC_KEY, None)
         self.pending = self.active
 
-    def agree(self, opt) -> None:
+    def agree(self, state, groups: list[dict]) -> None:
         """Make every rank hold the same shared PowerSGD state before a step's collectives.
 
         One small all-gather compares a digest of the step counter, Q (and P)
@@ -431,29 +443,29 @@ class Agreement:
         """
         unfrozen = [p for p in self.frozen if p.requires_grad]
         if unfrozen:  # before any collective
-            opt._reset_step()  # this step did not start: the next one may, once fixed
+            self.on_refused()
             refuse_new_parameters(
-                describe_new(unfrozen, opt._names),
+                describe_new(unfrozen, state.names),
                 "parameters that did not require grad when the optimizer was wrapped now do",
             )
         self.pending = False
-        opt._guard.request()  # every rank is here: a collective
+        state.guard.request()  # every rank is here: a collective
         # Every rank agrees on sparse gradients after this step too: a worker that
         # just joined (elastic) or loaded a state checks at its first step, so all do.
-        opt._sparse.checks = True
-        digest = state_digest(opt.powersgd_step, opt.compressor.shared_state())
+        state.sparse.checks = True
+        digest = state_digest(state.step, state.compressor.shared_state())
         flags = [int(self.loaded), int(self.settings_due)]
-        mine = [*flags, *signature_digest(signature(opt)), opt.powersgd_step, *digest]
-        everyone = opt._comm.allgather(torch.tensor([mine]), "agree").tolist()
+        mine = [*flags, *signature_digest(signature(state, groups, self.wrapped)), state.step]
+        everyone = state.comm.allgather(torch.tensor([[*mine, *digest]]), "agree").tolist()
         self.loaded = False
         differed = None
         if any(row[1] for row in everyone):  # every rank decides from the same rows
             self.settings_due = False
             if any(row[2:6] != everyone[0][2:6] for row in everyone):
-                differed = settings_agreed(opt)  # or raises on every rank
+                differed = settings_agreed(state, groups, self.wrapped)  # or raises on all
         # The step everywhere; the shared state within each share (hierarchical:
         # a local rank's matrices; flat: one share, everything).
-        shares = opt._hierarchy.share_of if opt._hierarchy else [0] * len(everyone)
+        shares = state.hierarchy.share_of if state.hierarchy else [0] * len(everyone)
         first = {}
         for r, share in enumerate(shares):
             first.setdefault(share, everyone[r])
@@ -462,37 +474,30 @@ class Agreement:
             for r, row in enumerate(everyone)
         ):
             root = next((r for r, row in enumerate(everyone) if row[0]), 0)
-            self.broadcast(opt, hvd_comm.members(opt.process_set)[root])
+            self.broadcast(state, hvd_comm.members(state.comm.process_set)[root])
         if differed:  # last: under -W error it raises, on every rank alike
             warnings.warn(differed, stacklevel=4)
 
-    def broadcast(self, opt, root_rank: int) -> None:
-        """`opt.broadcast_powersgd_state`: see there."""
-        comm = opt._comm
-        shared = opt.compressor.shared_state()
-        payload = {"compressor": shared, "step": opt.powersgd_step, "stats": comm.counters()}
-        payload["auto"] = opt._tuner.state_dict()
-        payload["sparse"] = opt._sparse.sparse_names()
-        if opt._hierarchy:  # each share's state from its holder on the root's node
+    def broadcast(self, state, root_rank: int) -> None:
+        """`opt.broadcast_powersgd_state`: see there (`state`: the optimizer's PowerSGD state)."""
+        comm = state.comm
+        payload = state.shared_state()  # the parts every rank holds alike (state.py)
+        shared = payload["compressor"]
+        if state.hierarchy:  # each share's state from its holder on the root's node
             payload["compressor"] = None
-            shared_root = opt._hierarchy.root_for(root_rank)
-            root = opt._hierarchy.cross.broadcast_object(shared, shared_root, "sync.share")
+            shared_root = state.hierarchy.root_for(root_rank)
+            root = state.hierarchy.cross.broadcast_object(shared, shared_root, "sync.share")
         payload = comm.broadcast_object(payload, root_rank, "sync")
-        if not opt._hierarchy:
+        if not state.hierarchy:
             root = payload["compressor"]
-        opt._sparse.take(payload["sparse"])  # the root's sparse parameters leave PowerSGD first
-        changed = payload["step"] != opt.powersgd_step or any(
+        state.sparse.take(payload["sparse"])  # the root's sparse parameters leave PowerSGD first
+        changed = payload["step"] != state.step or any(
             not torch.equal(theirs.to(mine.device), mine)
             for theirs, mine in zip(root["q_memory"].values(), shared["q_memory"].values())
         )
-        opt.compressor.load_shared_state(root)
-        opt.powersgd_step = payload["step"]
-        comm.set_counters(payload["stats"])
-        opt._reducer.refresh()  # the root's plan (rank="auto"), its tuner's state
-        opt._tuner.load_state_dict(payload["auto"], opt)
-        opt._rebuild_monitor()
+        state.load({**payload, "compressor": root})  # the root's plan (rank="auto") too
         self.pending = self.loaded = False
-        opt._guard.request()
+        state.guard.request()
         # One small all-gather tells every rank which ranks took the root's
         # state and whether any rank saw the world change (a worker that just
         # joined did not), so that all decide and warn alike: a warning on some
@@ -505,19 +510,19 @@ class Agreement:
             "sync.changed",
         ).tolist()
         self.world_size = comm.size
-        members = hvd_comm.members(opt.process_set)
+        members = hvd_comm.members(comm.process_set)
         took_over = [members[r] for r, (took, _) in enumerate(flags) if took]
         if any(resized for _, resized in flags):
-            opt.compressor.reset_error()  # every residual was a share of the old world's sum
-            opt._reset_monitor()
-            opt._tuner.resized(opt)
+            state.compressor.reset_error()  # every residual was a share of the old world's sum
+            state.reset_monitor()
+            state.tuner.resized(state)
         elif took_over:
             if hvd_comm.rank() in took_over:
-                opt.compressor.reset_error()
-                opt._reset_monitor()
+                state.compressor.reset_error()
+                state.reset_monitor()
             warnings.warn(
                 f"rank(s) {took_over} took the PowerSGD state of rank {root_rank} (step "
-                f"{opt.powersgd_step}): their error buffers start at zero",
+                f"{state.step}): their error buffers start at zero",
                 stacklevel=3,
             )
 
@@ -533,6 +538,7 @@ class ElasticHandler(hvd_comm.OptimizerStateHandler):
 
     def sync(self):
         opt = self.value
-        check_same_model(opt._comm, signature(opt, optimizer_settings=False))
+        state = opt.powersgd_state
+        check_same_model(state.comm, signature(state))
         opt.broadcast_powersgd_state()
         super().sync()

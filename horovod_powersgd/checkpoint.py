@@ -19,7 +19,8 @@ import warnings
 import torch
 
 from .comm import Collective
-from .optimizer import STATE_KEY as _STATE_KEY
+from .state import STATE_KEY as _STATE_KEY
+from .state import shared_part
 
 # What torch.load(weights_only=True) reads back, matched by exact type: a
 # subclass (numpy.float64 is a float, a namedtuple a tuple) pickles as its own
@@ -103,8 +104,7 @@ def save_checkpoint(path: str, model: torch.nn.Module, optimizer, **extra) -> No
     # memory, RNG; equal on every rank), so that Horovod's usual resume from it
     # (rank 0 loads `["optimizer"]`) goes on with the same step and memories;
     # only the error buffers, which differ per rank, live in the rank files alone.
-    compressor = {k: v for k, v in ours["compressor"].items() if k != "error_buffers"}
-    state[_STATE_KEY] = {**ours, "compressor": compressor}
+    state[_STATE_KEY] = shared_part(ours)
     main = {
         "checkpoint": checkpoint,
         "model": model.state_dict(),
@@ -159,8 +159,9 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer, map_location=N
         map_location = next(model.parameters()).device
     main = ours = note = problem = None
     try:
-        main, ours, note = _read(path, rank, size, map_location, optimizer._state_fits)
-        optimizer._check_state(ours)
+        powersgd = optimizer.powersgd_state
+        main, ours, note = _read(path, rank, size, map_location, powersgd.fits)
+        powersgd.check(ours)
         _check_model(model, main["model"], path)
     except FileNotFoundError as e:
         problem = FileNotFoundError(str(e))

@@ -31,7 +31,6 @@ import torch
 
 from . import comm as hvd_comm
 from . import shares
-from .compressor import PowerSGDCompressor
 from .config import COMM_DTYPES
 from .reducer import Bucket, Reducer
 
@@ -85,24 +84,6 @@ class Hierarchy:
         first to the least loaded)."""
         split = shares.owners([[p.numel() for p in b.params] for b in buckets], self.local_size)
         return {names[p]: j for b, owner in zip(buckets, split) for p, j in zip(b.params, owner)}
-
-
-def build(params, names: dict, buckets, config, comm, *, active: bool, elastic: bool):
-    """(Hierarchy or None, compressor, reducer) of an optimizer: flat, or this rank's share."""
-    hierarchy = None
-    if active:
-        hierarchy = decide(config.hierarchical, comm, elastic=elastic, auto_rank=config.auto)
-    owner = hierarchy.owners(buckets, names) if hierarchy else None
-    mine = [p for p in params if owner is None or owner[names[p]] == hierarchy.local_rank]
-    compressor = PowerSGDCompressor(
-        [(names[p], p) for p in mine],
-        config,
-        bucket_of={names[p]: b.index for b in buckets for p in b.params},
-    )
-    if hierarchy is None:
-        return None, compressor, Reducer(buckets, names, compressor, comm)
-    reducer = HierarchicalReducer(buckets, names, compressor, comm, hierarchy, owner)
-    return hierarchy, compressor, reducer
 
 
 def check(setting, process_set, elastic: bool, auto_rank: bool) -> bool:

@@ -4,7 +4,8 @@ One step, in the order it runs (rounds=2; docs/architecture.md lists each functi
 
     optimizer._hook(p)              every gradient's post-accumulate hook, while backward runs
       optimizer._begin_step()       at the step's first hook: agreement.Agreement.begin_step,
-                                    reducer.begin -> compressor.begin_step (Q̂ = orth(Q memory))
+                                    state.begin_step -> reducer.begin ->
+                                    compressor.begin_step (Q̂ = orth(Q memory))
       reducer.ready(p)              compressor.compress (M = grad + e, P = M·Q̂), the
                                     statistics' gradient norm; once p's bucket is complete,
                                     its first round leaves (reducer._launch: P and the
@@ -23,6 +24,11 @@ One step, in the order it runs (rounds=2; docs/architecture.md lists each functi
 rounds=1 is the same with one round: the factor each matrix sends this step
 is computed in the hook (compressor.Alternating.compress) and averaged with
 the bucket's uncompressed gradients; there is no second round.
+
+Every part PowerSGD keeps (compressor, reducer, tuner, statistics, sparse
+gradients, drift guard, step counter) lives in `opt.powersgd_state`
+(state.PowerSGDState); this class keeps the hooks' bookkeeping and Horovod's
+interface.
 """
 
 from __future__ import annotations
@@ -37,12 +43,10 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import comm as hvd_comm
-from . import linalg
 from .agreement import (
     SYNC_KEY,
     Agreement,
     ElasticHandler,
-    check_same_model,
     describe_new,
     refuse_new_parameters,
     settings_agreed,
@@ -50,16 +54,9 @@ from .agreement import (
     signature_digest,
 )
 from .config import PowerSGDConfig, check_groups, check_log_every, check_named_parameters
-from .guard import DriftGuard
-from .hierarchy import build
 from .hierarchy import check as hierarchy_check
-from .linalg import method_setting, parse_method
-from .monitor import LayerMonitor
-from .reducer import make_buckets
-from .sparse import SparseGradients
-from .tuner import FixedRanks, Tuner, link_setting
+from .state import STATE_KEY, PowerSGDState
 
-STATE_KEY = "powersgd"  # this rank's PowerSGD state in state_dict()
 # Parameter -> the optimizer built last over it (weakly): an older one still alive is
 # refused at its next hook, naming it (`_superseded`), instead of counting backward passes.
 # (Keyed by identity: a tensor's == compares elements.)
@@ -111,45 +108,23 @@ class _DistributedOptimizer:
                     f"parameter {self._names[p]!r} is sparse; PowerSGD compresses dense "
                     "gradients only (use a dense layer or plain hvd.DistributedOptimizer)"
                 )
-        # rank="auto"'s pinned link (auto_link or HOROVOD_POWERSGD_LINK), compared
-        # with the settings below before the tuner parses it.
-        self._link_setting = link_setting(config)
-        self._orthogonalization = method_setting()  # HOROVOD_POWERSGD_ORTHOGONALIZE, likewise
-        # Under elastic Horovod a worker that joins builds its optimizer while
-        # the others wait in the state sync: the check runs there instead. The
+        # PowerSGD's state: compressor, reducer, tuner, statistics... (state.py). Its
+        # construction compares the model and settings across ranks first; the
         # wrapped optimizer's settings are compared at the first step (Agreement),
         # after the user's hvd.broadcast_optimizer_state, which may make them equal.
-        if self._active and not _elastic():
-            check_same_model(comm, signature(self, optimizer_settings=False))
-        linalg.METHOD = parse_method(self._orthogonalization)
-        buckets = make_buckets(self._params)
-        # Flat, or hierarchical (hierarchy.py: this rank compresses its node's share).
-        self._hierarchy, self.compressor, self._reducer = build(
-            self._params, self._names, buckets, config, comm, active=self._active,
-            elastic=_elastic(),
-        )  # fmt: skip
-        self.powersgd_step = 0  # communication steps done so far: the one step counter
-        self._tuner = Tuner(config, comm) if config.auto else FixedRanks(config)
-        self._log_every = log_every
-        self._monitor = None  # per-layer statistics, log line and early warning
-        self._rebuild_monitor()
-        self._guard = DriftGuard(
-            [(self._names[p], p) for p in self._params], config.drift_check_every, comm
+        self.powersgd_state = PowerSGDState(
+            self._params, self._names, config, comm, log_every=log_every, elastic=_elastic()
         )
         frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
+        # Refusing parameters unfrozen since, it resets the step (which did not start).
+        reset = weakref.WeakMethod(self._reset_step)
         self._agreement = Agreement(
-            self._active, comm.size, check_settings=not _elastic(), frozen=frozen
-        )
+            self._active, comm.size, self._base.__qualname__, check_settings=not _elastic(),
+            frozen=frozen, on_refused=lambda: reset()(),
+        )  # fmt: skip
         # --- per step -------------------------------------------------------------------
         self._delay = {p: config.backward_passes_per_step for p in self._params}
         self._pending = False  # a backward pass was counted since the last synchronize()
-        # Sparse gradients: which ones, agreed by every rank; this step's (sparse.py).
-        # Its callback holds the optimizer weakly, as the hooks do: a cycle would keep
-        # a replaced optimizer alive, and its hooks counting passes (see below).
-        leave = weakref.WeakMethod(self._leave_powersgd)
-        self._sparse = SparseGradients(
-            self._params, self._names, comm, config.sparse_as_dense, lambda ps: leave()(ps)
-        )
         self._synchronized = False
         self._should_synchronize = True
         if self._active:
@@ -173,25 +148,18 @@ class _DistributedOptimizer:
             self._gradient_ready(p)
 
     def _gradient_ready(self, p: torch.Tensor) -> None:
-        if self._sparse.sparse or (p.grad is not None and p.grad.is_sparse):
-            self._sparse.ready(p)
-        if not self._reducer.in_step:
+        if self.powersgd_state.sparse.sparse or (p.grad is not None and p.grad.is_sparse):
+            self.powersgd_state.sparse.ready(p)
+        if not self.powersgd_state.reducer.in_step:
             self._begin_step()
-        self._reducer.ready(p)
-
-    def _leave_powersgd(self, params) -> None:
-        """`params` are all-gathered from the next step on (sparse.SparseGradients.gather)."""
-        self.compressor.exclude(self._names[p] for p in params)
-        self._reducer.skip = self._sparse.gathered
-        self._reducer.refresh()
-        self._rebuild_monitor()
+        self.powersgd_state.reducer.ready(p)
 
     def _begin_step(self) -> None:
-        self._agreement.begin_step(self)  # before the step's first collective
+        # Before the step's first collective: agree on the state, if due.
+        self._agreement.begin_step(self.powersgd_state, self.param_groups)
         # A synchronize() whose step was skipped (e.g. by GradScaler) is over.
         self._synchronized = False
-        self._tuner.begin_step(self)
-        self._reducer.begin(done=self.powersgd_step - self._tuner.start)
+        self.powersgd_state.begin_step()
 
     def synchronize(self) -> None:
         """Finish this step's communication; afterwards `p.grad` holds the aggregate.
@@ -203,21 +171,22 @@ class _DistributedOptimizer:
         if not self._active:
             self._synchronized = True
             return
-        if not self._reducer.in_step:
+        state = self.powersgd_state
+        if not state.reducer.in_step:
             self._begin_step()
-        for p in [p for p in self._params if p not in self._reducer.done]:
+        for p in [p for p in self._params if p not in state.reducer.done]:
             self._ready_without_hook(p)
-        self._reducer.finish()
-        self.powersgd_step += 1
-        self._guard.note_step(self.powersgd_step)
+        state.reducer.finish()
+        state.step += 1
+        state.guard.note_step(state.step)
         self._reset_step()
         self._synchronized = True
-        if self._monitor is not None:  # its warning may raise (-W error) on every rank alike
-            compressed = self._reducer.compressing  # this step's (reset() keeps it)
-            self._monitor.end_step(self.powersgd_step, compressed, self.compression_stats)
-        self._tuner.end_step(self)  # rank="auto": measure, try, settle (it may change ranks)
-        if self._sparse.checks:  # after the first step, a dense model's step skips it
-            self._sparse.settle()
+        if state.monitor is not None:  # its warning may raise (-W error) on every rank alike
+            # This step's buckets compressed (reset() keeps them).
+            state.monitor.end_step(state.step, state.reducer.compressing, self.compression_stats)
+        state.tuner.end_step(state)  # rank="auto": measure, try, settle (it may change ranks)
+        if state.sparse.checks:  # after the first step, a dense model's step skips it
+            state.sparse.settle()
 
     def _ready_without_hook(self, p: torch.Tensor) -> None:
         """A parameter whose hook did not fire this step (unused, or a gradient set by hand)."""
@@ -227,17 +196,18 @@ class _DistributedOptimizer:
             # gets the average of what the ranks hold in p.grad, zero after
             # zero_grad(); its residual is dropped, or PowerSGD would go on
             # delivering it and move the layer.
-            self.compressor.reset_error([self._names[p]])
+            self.powersgd_state.compressor.reset_error([self._names[p]])
         self._gradient_ready(p)
 
     def step(self, closure=None):
-        if self._should_synchronize and self._synchronized and not self._reducer.in_step:
+        # Synchronized, and no backward pass since (its first hook, _begin_step, clears it).
+        if self._should_synchronize and self._synchronized:
             _warn_synchronized_already()
         elif self._should_synchronize:
             self.synchronize()
         self._synchronized = False
         result = self._base.step(self, closure)
-        if self._guard.pending:
+        if self.powersgd_state.guard.pending:
             self._check_drift()
         return result
 
@@ -252,9 +222,11 @@ class _DistributedOptimizer:
         """
         # What else must agree rides in the same all-gather: parameters put into
         # param_groups by hand (refused on every rank alike) and the settings' digest.
-        new = [p for g in self.param_groups for p in g["params"] if p not in self._names]
-        drifted = self._guard.check(self.state, [len(new), *signature_digest(signature(self))])
-        everyone = self._guard.extra
+        state, groups = self.powersgd_state, self.param_groups
+        new = [p for g in groups for p in g["params"] if p not in self._names]
+        mine = signature_digest(signature(state, groups, self._base.__qualname__))
+        drifted = state.guard.check(self.state, [len(new), *mine])
+        everyone = state.guard.extra
         if any(row[0] for row in everyone):
             members = hvd_comm.members(self.process_set)
             ranks = [members[r] for r, row in enumerate(everyone) if row[0]]
@@ -264,13 +236,13 @@ class _DistributedOptimizer:
                 f"{ranks}",
             )
         if any(row[1:] != everyone[0][1:] for row in everyone):  # the rare path gathers all
-            differed = settings_agreed(self)
+            differed = settings_agreed(state, groups, self._base.__qualname__)
             if differed:  # the same text on every rank
                 warnings.warn(differed, stacklevel=3)
         if drifted:
             # Every rank knows the same list (from one all-gather): all warn alike.
             warnings.warn(
-                f"parameters differed across ranks at step {self.powersgd_step} and were "
+                f"parameters differed across ranks at step {state.step} and were "
                 f"reset to rank {hvd_comm.first_rank(self.process_set)}'s: {drifted[:5]}"
                 f"{' ...' if len(drifted) > 5 else ''} "
                 "(after a resume, hvd.broadcast_optimizer_state's initialising step with "
@@ -282,7 +254,7 @@ class _DistributedOptimizer:
 
     def _reset_step(self) -> None:
         """Forget everything about the step in progress (after it, or on load_state_dict)."""
-        self._reducer.reset()
+        self.powersgd_state.reducer.reset()
         self._pending = False
         self._delay = dict.fromkeys(self._params, self.config.backward_passes_per_step)
 
@@ -378,47 +350,29 @@ class _DistributedOptimizer:
             >>> worst = max(opt.compression_stats(per_layer=True)["layers"],
             ...             key=lambda layer: layer["avg_relative_error"] or 0)
         """
-        stats = self._totals()
+        state = self.powersgd_state
+        stats = state.totals()
         sent = stats["elements_sent"]
         stats["ratio"] = stats["elements_uncompressed"] / sent if sent else 0.0
         if self.config.auto:
-            stats["plan"] = self._tuner.plan(self)
+            stats["plan"] = state.tuner.plan(state)
         if per_layer:
-            monitor = self._monitor
+            monitor = state.monitor
             stats["layers"] = monitor.layers() if monitor is not None else []
             stats["checked_step"] = monitor.checked_step if monitor is not None else None
             norms = monitor.model_norms() if monitor is not None else (None, None)
             stats["error_norm"], stats["gradient_norm"] = norms
         return stats
 
-    def _totals(self) -> dict:
-        steps = self.powersgd_step
-        uncompressed = steps * sum(p.numel() for p in self._params)
-        totals = {"steps": steps, "elements_uncompressed": uncompressed, **self._comm.counters()}
-        if self._hierarchy:  # sent above: over the node link; this, inside the node
-            totals["bytes_in_node"] = self._hierarchy.node.bytes_sent
-        return totals
+    @property
+    def compressor(self):
+        """PowerSGD's compressor (compressor.PowerSGDCompressor): error buffers, memories."""
+        return self.powersgd_state.compressor
 
-    def _reset_monitor(self) -> None:
-        if self._monitor is not None:
-            self._monitor.reset()
-            self._monitor.workers = self._comm.size  # its log line and warning say how many
-
-    def _rebuild_monitor(self) -> None:
-        """Statistics of the layers compressed now (at construction, and after a new plan)."""
-        if not (self.config.layer_stats and self._active):
-            return
-        warned = self._monitor is not None and self._monitor.warned
-        # Hierarchical: the statistics cover every share's layers.
-        every_share = self._hierarchy and self._hierarchy.compressed(self._reducer, self.config)
-        self._monitor = LayerMonitor(
-            self.compressor, self._comm.allreduce_sum, workers=self._comm.size,
-            reporter=self._comm.set_rank == 0, log_every=self._log_every, all_names=every_share,
-        )  # fmt: skip
-        self._monitor.warned = warned  # one warning per run
-        # Its averages need CHECK_EVERY compressed steps of this layout first.
-        self._monitor.start_iter = max(self._tuner.start, self.powersgd_step)
-        self._reducer.monitor = self._monitor
+    @property
+    def powersgd_step(self) -> int:
+        """Communication steps done so far (PowerSGD's step counter)."""
+        return self.powersgd_state.step
 
     def state_dict(self):
         """The wrapped optimizer's state plus this rank's PowerSGD state.
@@ -436,16 +390,7 @@ class _DistributedOptimizer:
         state = self._base.state_dict(self)
         if state["param_groups"]:
             state["param_groups"][0][SYNC_KEY] = True
-        state[STATE_KEY] = {
-            "step": self.powersgd_step,
-            "world_size": self._comm.size,
-            "stats": self._totals(),
-            "compressor": self.compressor.state_dict(),
-            "sparse": self._sparse.sparse_names(),
-            "share": self._hierarchy.key if self._hierarchy else None,
-        }
-        if self.config.auto:
-            state[STATE_KEY]["auto"] = self._tuner.state_dict()
+        state[STATE_KEY] = self.powersgd_state.state_dict()
         return state
 
     def load_state_dict(self, state_dict):
@@ -459,26 +404,26 @@ class _DistributedOptimizer:
         Loading on one rank only (then `hvd.broadcast_optimizer_state`) is
         fine: the broadcast makes the other ranks agree.
         """
-        state_dict = dict(state_dict)
+        state_dict, powersgd = dict(state_dict), self.powersgd_state
         ours = state_dict.pop(STATE_KEY, None)
-        other_share = ours is not None and not self._state_fits(ours)
+        other_share = ours is not None and not powersgd.fits(ours)
         if other_share:  # hierarchical: another share's matrices, or a flat state
             ours = None
         # The main file of `save_checkpoint` holds the shared state only: the
         # error buffers are in the rank files.
         shared_only = ours is not None and "error_buffers" not in ours["compressor"]
         if ours is not None:
-            self._check_state(ours)
-            self._sparse.take(ours.get("sparse", []))  # those leave PowerSGD
+            powersgd.check(ours)
+            powersgd.sparse.take(ours.get("sparse", []))  # those leave PowerSGD
         self._reset_step()
-        self._sparse.forget_step()
+        powersgd.sparse.forget_step()
         self._synchronized = False
         self._should_synchronize = True
         self._base.load_state_dict(self, state_dict)
         for group in self.param_groups:  # torch copied the saved groups' options
             group.pop(SYNC_KEY, None)
         self._agreement.request(loaded=True)
-        self._reset_monitor()  # the statistics of the steps before describe another state
+        powersgd.reset_monitor()  # the statistics of the steps before describe another state
         if ours is None:
             warnings.warn(
                 "loading an optimizer state without PowerSGD state"
@@ -487,22 +432,15 @@ class _DistributedOptimizer:
                 stacklevel=2,
             )
             return
+        powersgd.load(ours)
         if shared_only:
-            self.compressor.load_shared_state(ours["compressor"])
-            self.compressor.reset_error()
+            powersgd.compressor.reset_error()
             warnings.warn(
                 "this optimizer state has PowerSGD's shared state (step counter, Q memory, "
                 "RNG) but not this rank's error buffers, which start at zero; "
                 "horovod_powersgd.load_checkpoint() on every rank resumes exactly",
                 stacklevel=2,
             )
-        else:
-            self.compressor.load_state_dict(ours["compressor"])
-        self.powersgd_step = ours["step"]
-        self._reducer.refresh()  # rank="auto" resumes its plan (the compressor's ranks)
-        self._tuner.load_state_dict(ours.get("auto"), self)
-        self._rebuild_monitor()
-        self._comm.set_counters(ours["stats"])
         self._agreement.world_size = self._comm.size
         if ours["world_size"] != self._comm.size:
             warnings.warn(
@@ -510,21 +448,7 @@ class _DistributedOptimizer:
                 f"{self._comm.size}: PowerSGD error buffers reset to zero",
                 stacklevel=2,
             )
-            self.compressor.reset_error()
-
-    def _check_state(self, ours: dict) -> None:
-        """Raise ValueError, naming the cause, if a PowerSGD state (`state_dict()["powersgd"]`,
-        or its shared part) cannot be loaded here. Changes nothing: its sparse parameters
-        leave PowerSGD only as it is loaded, so their matrices are not expected in it."""
-        leaving = self._sparse.leaving(ours.get("sparse", []))
-        if "error_buffers" in ours["compressor"]:
-            self.compressor.check_state_dict(ours["compressor"], leaving=leaving)
-        else:
-            self.compressor.check_shared_state(ours["compressor"], leaving)
-
-    def _state_fits(self, ours: dict) -> bool:
-        """Whether a PowerSGD state (`state_dict()["powersgd"]`) holds this rank's matrices."""
-        return ours.get("share") == (self._hierarchy.key if self._hierarchy else None)
+            powersgd.compressor.reset_error()
 
     def broadcast_powersgd_state(self, root_rank: int | None = None) -> None:
         """Make the state that must agree across ranks equal to `root_rank`'s.
@@ -548,7 +472,7 @@ class _DistributedOptimizer:
         """
         if root_rank is None:
             root_rank = hvd_comm.first_rank(self.process_set)
-        self._agreement.broadcast(self, root_rank)
+        self._agreement.broadcast(self.powersgd_state, root_rank)
 
 
 def _warn_synchronized_already() -> None:

@@ -85,23 +85,23 @@ class FixedRanks:
     def __init__(self, config: PowerSGDConfig):
         self.start = config.start_iter  # the first compressed step
 
-    def begin_step(self, opt) -> None:
+    def begin_step(self, state) -> None:
         """At the step's first hook: nothing to do for a fixed rank."""
 
-    def end_step(self, opt) -> None:
+    def end_step(self, state) -> None:
         """After the step's communication: nothing to do for a fixed rank."""
 
-    def resized(self, opt) -> None:
+    def resized(self, state) -> None:
         """The number of workers changed: a fixed rank stays."""
 
     def state_dict(self) -> dict | None:
         return None
 
-    def load_state_dict(self, state, opt) -> None:
+    def load_state_dict(self, saved, state) -> None:
         """Nothing was saved."""
 
-    def plan(self, opt) -> list[dict]:
-        return _plan_rows(opt, {})
+    def plan(self, state) -> list[dict]:
+        return _plan_rows(state, {})
 
 
 def link_setting(config: PowerSGDConfig) -> str | None:
@@ -155,9 +155,9 @@ def profile_path(writer: bool) -> str | None:
     return path
 
 
-def _device(opt) -> torch.device:
+def _device(state) -> torch.device:
     """Where the optimizer's parameters are (the CPU for none)."""
-    return opt._params[0].device if opt._params else torch.device("cpu")
+    return state.params[0].device if state.params else torch.device("cpu")
 
 
 def _synchronize(device: torch.device) -> None:
@@ -275,30 +275,30 @@ class Tuner:
         self._window: list[float] = []  # step times of the current trial or check
 
     # --- every step -----------------------------------------------------------------------
-    def begin_step(self, opt) -> None:
+    def begin_step(self, state) -> None:
         """At the step's first hook, before its first collective."""
         self._step_start = time.perf_counter()
-        index = opt.powersgd_step - self.origin
+        index = state.step - self.origin
         if self.phase == "measure" and (index in CLEAN or index in TIMED):
             # On CUDA the clean steps' times are the device's (see _Recorder).
-            cuda = index in CLEAN and _device(opt).type == "cuda"
+            cuda = index in CLEAN and _device(state).type == "cuda"
             event = _device_event if cuda else None
             self._recorder = _Recorder(self.comm, self._step_start, index in TIMED, event)
-            opt._reducer.comm = self._recorder
+            state.reducer.comm = self._recorder
 
-    def end_step(self, opt) -> None:
+    def end_step(self, state) -> None:
         """After the step's communication, before the wrapped optimizer's step."""
         now = time.perf_counter()
         seconds = None if self._last_end is None else now - self._last_end
-        index = opt.powersgd_step - 1 - self.origin  # the step just done
-        for factors in opt.compressor.factors:
+        index = state.step - 1 - self.origin  # the step just done
+        for factors in state.compressor.factors:
             factors.warm = True  # this step averaged its memories
         if self._recorder is not None:
-            opt._reducer.comm = self.comm
+            state.reducer.comm = self.comm
             if index in CLEAN:
                 launched, span = dict(self._recorder.launched), now - self._step_start
                 if self._recorder.event is not None:
-                    launched, span = self._recorder.on_device(lambda: _synchronize(_device(opt)))
+                    launched, span = self._recorder.on_device(lambda: _synchronize(_device(state)))
                 self._clean_s.append(seconds if seconds is not None else math.nan)
                 self._span_s.append(span)
                 self._ready.append(launched)
@@ -307,40 +307,40 @@ class Tuner:
             self._recorder = None
         if self.phase == "measure":
             if index in PROBE:
-                self._probe_work(opt)
+                self._probe_work(state)
             if index == MEASURE_STEPS - 1:
-                self._plan(opt)
+                self._plan(state)
         elif self.phase == "try":
-            self._try(opt, index, seconds)
+            self._try(state, index, seconds)
         elif self._replan_due:
             self._replan_due = False
-            self._replan(opt, force=True)
+            self._replan(state, force=True)
         elif self.phase == "settled":
-            self._keep_up(opt, seconds)
+            self._keep_up(state, seconds)
         self._last_end = time.perf_counter()  # the tuner's own time stays out of the next step
 
-    def resized(self, opt) -> None:
+    def resized(self, state) -> None:
         """The number of workers changed: time the link again and plan again, at the end
         of this step (a plan changes between steps)."""
         if self.phase != "measure" and self.measurements is not None:
             self._replan_due = True
 
     # --- measure ----------------------------------------------------------------------------
-    def _probe_work(self, opt) -> None:
+    def _probe_work(self, state) -> None:
         """PowerSGD's local work, per bucket, at every rank of the ladder, on this step's
         gradients (aggregated: the same shapes and scales), sending nothing."""
-        params = [p for p in opt._params if p.grad is not None and p not in opt._sparse.gathered]
-        named = [(opt._names[p], p) for p in params]
-        bucket_of = {opt._names[p]: b.index for b in opt._reducer.buckets for p in b.params}
-        grads = {opt._names[p]: p.grad for p in params}
+        params = [p for p in state.params if p.grad is not None and p not in state.sparse.gathered]
+        named = [(state.names[p], p) for p in params]
+        bucket_of = {state.names[p]: b.index for b in state.reducer.buckets for p in b.params}
+        grads = {state.names[p]: p.grad for p in params}
         scratch = {name: torch.empty_like(g) for name, g in grads.items()}
-        device = _device(opt)
+        device = _device(state)
         for rank in self.ladder:
             probe = PowerSGDCompressor(
                 named, dataclasses.replace(self.config, rank=rank), bucket_of
             )
             times = self._probe.setdefault(rank, {})
-            for bucket in opt._reducer.buckets:
+            for bucket in state.reducer.buckets:
                 seconds = _time_bucket(probe, bucket, grads, scratch, self.comm.size, device)
                 if seconds is not None:
                     times.setdefault(bucket.index, []).append(seconds)
@@ -348,9 +348,9 @@ class Tuner:
             # scratch gradients about twice the model's gradients (docs/auto.md).
             del probe
 
-    def _gather(self, opt) -> tuple[planner.Measurements, list[float]]:
+    def _gather(self, state) -> tuple[planner.Measurements, list[float]]:
         """The ranks' means of what this rank measured, and of each clean step's time."""
-        buckets = opt._reducer.buckets
+        buckets = state.reducer.buckets
         names = [f"b{b.index}.r1" for b in buckets]
         ready = [statistics.median(r.get(n, math.nan) for r in self._ready) for n in names]
         timed = [s for _, _, s in self._timed]
@@ -374,12 +374,12 @@ class Tuner:
         link = planner.Link.fit(samples)
         out = []
         for j, bucket in enumerate(buckets):
-            tensors = _tensors(opt, bucket, self.ladder)
+            tensors = _tensors(state, bucket, self.ladder)
             sizes, found = _sizes(tensors, self.ladder, self.config.rounds), {}
             for k, (rank, index) in enumerate(options):
                 if index == bucket.index and rank in sizes and total[k] == total[k]:
                     found[rank] = planner.Option(compress[k], total[k], *sizes[rank])
-            out.append(planner.Bucket(ready[j], _plain_bytes(opt, bucket), found, tensors))
+            out.append(planner.Bucket(ready[j], _plain_bytes(state, bucket), found, tensors))
         backward = max(ready) if ready else 0.0
         # The step beyond the model's part, as measured: the plain step less the span from
         # its first gradient to its last bucket's arrival. Not the step less the modelled
@@ -416,17 +416,17 @@ class Tuner:
             with contextlib.suppress(OSError):
                 os.remove(temporary)
 
-    def _plan(self, opt) -> None:
-        self.measurements, self._plain_steps = self._gather(opt)
+    def _plan(self, state) -> None:
+        self.measurements, self._plain_steps = self._gather(state)
         self._write_profile()
         if self.pinned is not None:
             # The real step times say nothing about a pinned link: the model decides.
             plan = planner.choose(self.measurements, self.ladder, TOLERANCE)
-            self._settle(opt, self._shared(plan, "auto.plan"), None)
+            self._settle(state, self._shared(plan, "auto.plan"), None)
             return
         candidates = planner.candidates(self.measurements, self.ladder, TOLERANCE)
         self.candidates = self._shared(candidates, "auto.plans")
-        self._begin_trials(opt)
+        self._begin_trials(state)
 
     def _shared(self, decision, name: str):
         """The first rank's `decision`, on every rank: every decision after the measurements
@@ -437,18 +437,18 @@ class Tuner:
         return self.comm.broadcast_object(decision, first_rank(self.comm.process_set), name)
 
     # --- try --------------------------------------------------------------------------------
-    def _begin_trials(self, opt, keep: list[int] | None = None) -> None:
+    def _begin_trials(self, state, keep: list[int] | None = None) -> None:
         """Time every candidate; `keep`: the plan to keep unless another is clearly faster."""
         self.phase, self.trial_steps, self._window, self._keep = "try", [], [], keep
-        self._next_trial(opt)
+        self._next_trial(state)
 
-    def _next_trial(self, opt) -> None:
-        self._apply(opt, self.candidates[len(self.trial_steps)])
+    def _next_trial(self, state) -> None:
+        self._apply(state, self.candidates[len(self.trial_steps)])
         # Its first compressed step is not timed: caches and allocators settle in it.
-        self._timed_after = max(opt.powersgd_step, self.start) + 1
+        self._timed_after = max(state.step, self.start) + 1
 
-    def _try(self, opt, index, seconds) -> None:
-        if opt.powersgd_step <= self._timed_after:
+    def _try(self, state, index, seconds) -> None:
+        if state.step <= self._timed_after:
             return  # still plain (start_iter), or the candidate's first step
         self._window.append(seconds)
         if len(self._window) < TRIAL_STEPS - 1:
@@ -456,7 +456,7 @@ class Tuner:
         self.trial_steps.append(self._window)
         self._window = []
         if len(self.trial_steps) < len(self.candidates):
-            self._next_trial(opt)
+            self._next_trial(state)
             return
         # Each timed step's ranks' mean: the job's step (the ranks wait for each other).
         local = torch.tensor(self.trial_steps, dtype=torch.float64)
@@ -470,25 +470,25 @@ class Tuner:
             if seconds[self.candidates.index(best)] > kept * (1 - max(HYSTERESIS, margin)):
                 best = self._keep  # not clearly faster (nor faster by more than the noise)
         best, best_s = self._shared((best, seconds[self.candidates.index(best)]), "auto.pick")
-        self._settle(opt, best, best_s)
+        self._settle(state, best, best_s)
 
-    def _settle(self, opt, plan, seconds: float | None) -> None:
+    def _settle(self, state, plan, seconds: float | None) -> None:
         """Take `plan` (its measured step time: `seconds`; None: the model's)."""
         self.phase, self._window = "settled", []
-        if not self._apply(opt, plan):
-            self._log(opt, plan)  # the last candidate tried: taken as it runs
+        if not self._apply(state, plan):
+            self._log(state, plan)  # the last candidate tried: taken as it runs
         self.expected_s = planner.predict(self.measurements, plan) if seconds is None else seconds
-        self._next_check = opt.powersgd_step + CHECK_EVERY
+        self._next_check = state.step + CHECK_EVERY
 
     # --- keep up ----------------------------------------------------------------------------
-    def _keep_up(self, opt, seconds) -> None:
+    def _keep_up(self, state, seconds) -> None:
         if seconds is not None:
             self._window = [*self._window[-19:], seconds]
-        if opt.powersgd_step < self._next_check:
+        if state.step < self._next_check:
             return
-        self._next_check = opt.powersgd_step + CHECK_EVERY
-        plan = self._current(opt)
-        failing = _failing_buckets(opt)
+        self._next_check = state.step + CHECK_EVERY
+        plan = self._current(state)
+        failing = _failing_buckets(state)
         raised = plan
         if failing:
             budget = planner.predict(self.measurements, plan) * (1 + TOLERANCE)
@@ -501,51 +501,50 @@ class Tuner:
         drifted = abs(math.log(float(mean[0]) / self.comm.size)) > math.log(1 + DRIFT)
         raised, drifted = self._shared((raised, drifted and self.pinned is None), "auto.check")
         if raised != plan:
-            self._apply(opt, raised)
+            self._apply(state, raised)
         elif drifted:
-            self._replan(opt)
+            self._replan(state)
 
-    def _replan(self, opt, force: bool = False) -> None:
+    def _replan(self, state, force: bool = False) -> None:
         """Time the link again (a few all-reduces), and try the plans the model prefers now."""
-        samples = _time_link(self.comm, opt.powersgd_step)
+        samples = _time_link(self.comm, state.step)
         seconds = torch.tensor([s for _, s in samples], dtype=torch.float64)
         seconds = (self.comm.allreduce_sum(seconds, "auto.link") / self.comm.size).tolist()
         link = self.pinned or planner.Link.fit([(b, s) for (b, _), s in zip(samples, seconds)])
         plans = planner.candidates(self.measurements.with_link(link), self.ladder, TOLERANCE)
-        current = self._current(opt)
+        current = self._current(state)
         plans = None if not force and plans[0] == current else plans
         link, plans = self._shared((link, plans), "auto.replan")
         self.measurements = self.measurements.with_link(link)
         if plans is None:
             return
         self.candidates = [current, *[p for p in plans if p != current]]
-        self._begin_trials(opt, keep=None if force else current)
+        self._begin_trials(state, keep=None if force else current)
 
     # --- apply ------------------------------------------------------------------------------
-    def _current(self, opt) -> list[int]:
-        return [opt.compressor.ranks[b.index] for b in opt._reducer.buckets]
+    def _current(self, state) -> list[int]:
+        return [state.compressor.ranks[b.index] for b in state.reducer.buckets]
 
-    def _apply(self, opt, plan) -> bool:
+    def _apply(self, state, plan) -> bool:
         """Send each bucket at its rank in `plan` from the next step on; nothing is lost.
 
         Returns whether anything changed (and was logged)."""
-        before = self._current(opt)
+        before = self._current(state)
         if list(plan) == before:
             return False
-        ranks = {b.index: r for b, r in zip(opt._reducer.buckets, plan)}
-        residuals = opt.compressor.set_ranks(ranks)
-        opt._reducer.refresh()
+        ranks = {b.index: r for b, r in zip(state.reducer.buckets, plan)}
+        residuals = state.compressor.set_ranks(ranks)
+        state.refresh()  # the reducer's layout and the statistics follow the new ranks
         if residuals:
-            self._send_residuals(opt, residuals)
-        opt._rebuild_monitor()
+            self._send_residuals(state, residuals)
         self.changes += 1
-        self._log(opt, plan)
+        self._log(state, plan)
         return True
 
-    def _log(self, opt, plan) -> None:
+    def _log(self, state, plan) -> None:
         if self.comm.set_rank != 0:
             return
-        step = opt.powersgd_step
+        step = state.step
         logger.info(
             "PowerSGD auto plan at step %d (%s): %s; expected %.1f ms a step, plain %.1f ms",
             step, "trying" if self.phase == "try" else "taken", _describe(plan),
@@ -553,12 +552,12 @@ class Tuner:
             1e3 * planner.predict(self.measurements, planner.uniform(self.measurements, 0)),
         )  # fmt: skip
 
-    def _send_residuals(self, opt, residuals: dict[str, torch.Tensor]) -> None:
+    def _send_residuals(self, state, residuals: dict[str, torch.Tensor]) -> None:
         """All-reduce what buckets that go plain held back, into this step's gradients."""
-        params = {opt._names[p]: p for p in opt._params}
+        params = {state.names[p]: p for p in state.params}
         names = sorted(residuals)
         tensors = [residuals[n] for n in names]
-        handle = self.comm.allreduce_async(tensors, f"auto.residuals.{opt.powersgd_step}")
+        handle = self.comm.allreduce_async(tensors, f"auto.residuals.{state.step}")
         for name, avg in zip(names, self.comm.wait(handle)):
             p = params[name]
             if p.grad is not None:
@@ -576,36 +575,36 @@ class Tuner:
             "measurements": None if m is None else _measurements_state(m),
         }
 
-    def load_state_dict(self, state, opt) -> None:
+    def load_state_dict(self, saved, state) -> None:
         """Resume a settled plan as it was (the compressor's ranks hold it); else measure
         again from this step."""
         self._reset_samples()
-        if not state or state.get("phase") != "settled" or not state.get("measurements"):
+        if not saved or saved.get("phase") != "settled" or not saved.get("measurements"):
             self.phase = "measure"
-            self.origin = max(opt.powersgd_step, self.config.start_iter - MEASURE_STEPS)
+            self.origin = max(state.step, self.config.start_iter - MEASURE_STEPS)
             self.start = self.origin + MEASURE_STEPS
             return
-        self.phase, self.start = "settled", state["start"]
-        self.expected_s, self.changes = state["expected_s"], state["changes"]
-        self.measurements = _measurements_from(state["measurements"], self.config.rounds)
+        self.phase, self.start = "settled", saved["start"]
+        self.expected_s, self.changes = saved["expected_s"], saved["changes"]
+        self.measurements = _measurements_from(saved["measurements"], self.config.rounds)
         if self.pinned is not None:
             self.measurements = self.measurements.with_link(self.pinned)
-        self._next_check = state["next_check"]
+        self._next_check = saved["next_check"]
 
-    def plan(self, opt) -> list[dict]:
-        return _plan_rows(opt, self._bucket_figures(opt))
+    def plan(self, state) -> list[dict]:
+        return _plan_rows(state, self._bucket_figures(state))
 
-    def _bucket_figures(self, opt) -> dict[int, dict]:
+    def _bucket_figures(self, state) -> dict[int, dict]:
         m = self.measurements
         if m is None:
             return {}
-        plan = self._current(opt)
+        plan = self._current(state)
         expected = planner.predict(m, plan)
         out = {}
         for j, (bucket, rank) in enumerate(zip(m.buckets, plan)):
             option = bucket.options.get(rank)
             as_plain = planner.predict(m, [*plan[:j], planner.PLAIN, *plan[j + 1 :]])
-            out[opt._reducer.buckets[j].index] = {
+            out[state.reducer.buckets[j].index] = {
                 "bucket_ms": None if option is None else 1e3 * option.work_s,
                 "saved_ms": 1e3 * (as_plain - expected),
             }
@@ -648,10 +647,10 @@ def _time_link(comm, step: int) -> list[tuple[int, float]]:
     return samples
 
 
-def _tensors(opt, bucket, ladder) -> tuple[planner.Tensor, ...]:
+def _tensors(state, bucket, ladder) -> tuple[planner.Tensor, ...]:
     """Each of the bucket's gradients: its sizes, and its factors' bytes at every rank of
     the ladder that compresses it."""
-    config, out = opt.config, []
+    config, out = state.config, []
     for p in bucket.params:
         factors = {}
         for rank in ladder:
@@ -661,7 +660,7 @@ def _tensors(opt, bucket, ladder) -> tuple[planner.Tensor, ...]:
                 size = torch.finfo(config.comm_dtype or _compute(p.dtype)).bits // 8
                 factors[rank] = (float(r * n * size), float(r * m * size))
         node = p.dtype if p.dtype in COMM_DTYPES else torch.float32  # hierarchy._Pack's
-        wire = float(p.numel() * _wire_size(opt, p, config.comm_dtype))
+        wire = float(p.numel() * _wire_size(state, p, config.comm_dtype))
         out.append(planner.Tensor(p.numel(), torch.finfo(node).bits // 8, wire, factors))
     return tuple(out)
 
@@ -680,25 +679,25 @@ def _compute(dtype):
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _wire_size(opt, p, comm_dtype) -> int:
+def _wire_size(state, p, comm_dtype) -> int:
     """Bytes per element of p's gradient on the wire, sent as it is."""
     if comm_dtype is not None:
         return torch.finfo(comm_dtype).bits // 8
-    tensor, _ = opt._comm.to_wire(torch.zeros(1, dtype=p.dtype), None)
+    tensor, _ = state.comm.to_wire(torch.zeros(1, dtype=p.dtype), None)
     return tensor.element_size()
 
 
-def _plain_bytes(opt, bucket) -> float:
-    return float(sum(p.numel() * _wire_size(opt, p, None) for p in bucket.params))
+def _plain_bytes(state, bucket) -> float:
+    return float(sum(p.numel() * _wire_size(state, p, None) for p in bucket.params))
 
 
-def _failing_buckets(opt) -> list[int]:
+def _failing_buckets(state) -> list[int]:
     """Positions of the buckets whose compressed layers' mean relative error >= FAILING."""
-    if opt._monitor is None:
+    if state.monitor is None:
         return []
     errors: dict[int, list[float]] = {}
-    bucket_of = {opt._names[p]: j for j, b in enumerate(opt._reducer.buckets) for p in b.params}
-    for layer in opt._monitor.layers():
+    bucket_of = {state.names[p]: j for j, b in enumerate(state.reducer.buckets) for p in b.params}
+    for layer in state.monitor.layers():
         if layer["avg_relative_error"] is not None:
             errors.setdefault(bucket_of[layer["name"]], []).append(layer["avg_relative_error"])
     return sorted(j for j, e in errors.items() if statistics.mean(e) >= FAILING)
@@ -708,17 +707,17 @@ def _describe(plan) -> str:
     return ", ".join(f"b{j} " + (f"r{r}" if r else "plain") for j, r in enumerate(plan))
 
 
-def _plan_rows(opt, figures: dict[int, dict]) -> list[dict]:
+def _plan_rows(state, figures: dict[int, dict]) -> list[dict]:
     """compression_stats()["plan"]: per parameter, how it travels at the next step
     (plain for all until `start_iter` ends, whatever the plan)."""
-    live = opt.powersgd_step >= opt._tuner.start
+    live = state.step >= state.tuner.start
     rows = []
-    for bucket in opt._reducer.buckets:
+    for bucket in state.reducer.buckets:
         extra = figures.get(bucket.index, {"bucket_ms": None, "saved_ms": None})
         for p in bucket.params:
-            name = opt._names[p]
-            compressed = live and opt.compressor.is_compressed(name)
-            rank = opt.compressor.layer_info(name)["rank"] if compressed else 0
+            name = state.names[p]
+            compressed = live and state.compressor.is_compressed(name)
+            rank = state.compressor.layer_info(name)["rank"] if compressed else 0
             rows.append(
                 {"name": name, "bucket": bucket.index,
                  "method": "powersgd" if compressed else "plain", "rank": rank, **extra}

@@ -6,6 +6,11 @@
 - No module imports one that sits above it in docs/architecture.md's order.
 - The package speaks of itself, not of its history: no "issue N" of this project in
   its text (another project's, "PyTorch issue 74148", names its project first).
+- No module reaches into another's private members: `x._name` (x not self or cls)
+  only where the module itself defines `_name` (its own classes' members, read on
+  another instance) or x is a module imported from outside the package (torch's
+  `torch._foreach_norm`). A part another module needs is public on its owner
+  (the optimizer's PowerSGD state, state.py, is handed to the tuner and agreement).
 
     python scripts/check_structure.py
 """
@@ -24,8 +29,8 @@ MAX_CLASS, MAX_FUNCTION = 350, 80
 # The modules from the bottom up: each may import only those before it.
 LAYERS = [
     "config", "linalg", "collectives", "planner", "shares", "layout", "compressor", "guard",
-    "monitor", "comm", "reducer", "hierarchy", "tuner", "agreement", "sparse", "optimizer",
-    "checkpoint", "__init__",
+    "monitor", "comm", "reducer", "hierarchy", "tuner", "agreement", "sparse", "state",
+    "optimizer", "checkpoint", "__init__",
 ]  # fmt: skip
 
 
@@ -53,8 +58,68 @@ def history(root: Path = PACKAGE) -> list[str]:
     return found
 
 
+def _defined_private(tree: ast.AST) -> set[str]:
+    """The private names a module defines: functions, classes, and its instances' or its
+    own names it assigns (`self._x = ...`, `_X = ...`)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets = [node.target]
+        for target in targets:
+            for inner in ast.walk(target):
+                owner = getattr(inner, "value", None)
+                if isinstance(inner, ast.Attribute) and getattr(owner, "id", "") in ("self", "cls"):
+                    names.add(inner.attr)
+                elif isinstance(inner, ast.Name):
+                    names.add(inner.id)
+    return {name for name in names if name.startswith("_")}
+
+
+def _outside_modules(tree: ast.AST) -> set[str]:
+    """Names bound by imports from outside the package (`import torch`, `from x import y`)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.update(a.asname or a.name for a in node.names)
+    return names
+
+
+def private_reach(root: Path = PACKAGE) -> list[str]:
+    """Places where a module of the package (bench/ included) reads or sets another
+    module's private member (see the module's docstring)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tree, here = ast.parse(path.read_text()), []
+        own, outside = _defined_private(tree), _outside_modules(tree)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")):
+                continue
+            if node.attr.startswith("__") or node.attr in own:
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            origin = node.value
+            while isinstance(origin, ast.Attribute):
+                origin = origin.value
+            if isinstance(origin, ast.Name) and origin.id in outside:
+                continue
+            here.append((node.lineno, ast.unparse(node)))
+        found += [
+            f"{path.relative_to(root.parent)}:{line} reaches into a private member: {text}"
+            for line, text in sorted(here)
+        ]
+    return found
+
+
 def problems() -> list[str]:
-    found = history()
+    found = history() + private_reach()
     for path in sorted(PACKAGE.glob("*.py")):
         module = path.stem
         if module not in LAYERS:

@@ -156,7 +156,7 @@ class Job:
         for _ in range(steps):
             self.step(c)
         while auto and steps < AUTO_MAX_WARMUP_STEPS:
-            if self._max([float(c.opt._tuner.phase != "settled")], "settled")[0] == 0:
+            if self._max([float(c.opt.powersgd_state.tuner.phase != "settled")], "settled")[0] == 0:
                 break
             self.step(c)
             steps += 1
@@ -245,8 +245,8 @@ def _auto_detail(c: Contender) -> str:
     if not c.config.endswith("auto"):
         return ""
     opt = c.opt
-    plan = [opt.compressor.ranks[b.index] for b in opt._reducer.buckets]
-    link = opt._tuner.measurements.link
+    plan = [opt.compressor.ranks[b.index] for b in opt.powersgd_state.reducer.buckets]
+    link = opt.powersgd_state.tuner.measurements.link
     return describe_plan(plan, link.bytes_per_s, link.latency_s)
 
 

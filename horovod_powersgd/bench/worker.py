@@ -230,8 +230,8 @@ def main(argv=None) -> None:
         "phase_median_ms": {k: 1e3 * sorted(v)[len(v) // 2] for k, v in phases.items()},
     }
     if args.config.endswith("auto"):  # what auto chose, and the link it measured
-        report["plan"] = [opt.compressor.ranks[b.index] for b in opt._reducer.buckets]
-        link = opt._tuner.measurements.link
+        report["plan"] = [opt.compressor.ranks[b.index] for b in opt.powersgd_state.reducer.buckets]
+        link = opt.powersgd_state.tuner.measurements.link
         report["link"] = {"latency_ms": 1e3 * link.latency_s, "mbit_s": 8e-6 * link.bytes_per_s}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"rank{rank}.json").write_text(json.dumps(report))

@@ -71,8 +71,11 @@ def main():
                             "finite": bool(finite),
                             "params": checksum,
                             "q_memory": q_sum,
-                            "plan": [opt.compressor.ranks[b.index] for b in opt._reducer.buckets],
-                            "plans_taken": getattr(opt._tuner, "changes", 0),
+                            "plan": [
+                                opt.compressor.ranks[b.index]
+                                for b in opt.powersgd_state.reducer.buckets
+                            ],
+                            "plans_taken": getattr(opt.powersgd_state.tuner, "changes", 0),
                         }
                     )
                     + "\n"

@@ -170,7 +170,7 @@ def main():
         except ValueError as e:  # raised on every rank alike, before any collective
             row["error"] = str(e)
             return done(row)
-        row["hierarchical"] = opt._hierarchy is not None
+        row["hierarchical"] = opt.powersgd_state.hierarchy is not None
         train(model, opt, args.steps)
         path = f"{args.directory}/ckpt.pt"
         hps.save_checkpoint(path, model, opt)

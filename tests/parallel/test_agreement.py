@@ -85,7 +85,7 @@ def test_a_fresh_optimizer_agrees_silently_and_costs_one_small_collective_once()
     finally:
         hvd.allgather = hvd_allgather
     assert not messages
-    assert [c for c in calls if c.endswith(".agree")] == [f"{opt._comm.name}.agree"]
+    assert [c for c in calls if c.endswith(".agree")] == [f"{opt.powersgd_state.comm.name}.agree"]
 
 
 # --- parameters that drift apart (issue 23, item 3) -----------------------------------------
@@ -111,7 +111,7 @@ def test_drift_between_ranks_is_found_and_repaired_with_a_warning_on_every_rank(
     for n, p in model.named_parameters():
         assert_same_on_every_rank(p, n)
         assert_same_on_every_rank(opt.state[p]["momentum_buffer"], f"momentum.{n}")
-    assert opt._guard.repairs == 1
+    assert opt.powersgd_state.guard.repairs == 1
 
 
 @pytest.mark.world_size(2)
@@ -140,7 +140,7 @@ def test_ranks_with_different_thread_counts_are_identical_after_every_check():
             if (step + 1) % 5 == 0:  # after a check: identical, whatever the rounding did
                 for n, p in model.named_parameters():
                     assert_same_on_every_rank(p, f"{step}.{n}")
-        assert opt._guard.checks == 3  # after the first step, then steps 5 and 10
+        assert opt.powersgd_state.guard.checks == 3  # after the first step, then steps 5 and 10
     finally:
         torch.set_num_threads(threads)
 
@@ -149,7 +149,7 @@ def test_drift_check_every_zero_never_checks_and_bad_values_raise():
     model = make_model()
     opt = sgd(model, drift_check_every=0)
     train(model, opt, steps=3)
-    assert opt._guard.checks == 0
+    assert opt.powersgd_state.guard.checks == 0
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="drift_check_every"):
             sgd(model, drift_check_every=bad)

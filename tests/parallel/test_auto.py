@@ -52,7 +52,7 @@ def train(model, opt, steps, first_step=0):
 
 
 def plan_of(opt):
-    return [opt.compressor.ranks[b.index] for b in opt._reducer.buckets]
+    return [opt.compressor.ranks[b.index] for b in opt.powersgd_state.reducer.buckets]
 
 
 SETTLED = tuner_module.MEASURE_STEPS + 4 * tuner_module.TRIAL_STEPS  # at the latest
@@ -63,9 +63,9 @@ SETTLED = tuner_module.MEASURE_STEPS + 4 * tuner_module.TRIAL_STEPS  # at the la
 def test_every_rank_takes_the_same_plan_and_stays_bitwise_identical(rounds, link):
     model = make_model()
     opt = auto(model, rounds=rounds, auto_link=link)
-    assert len(opt._reducer.buckets) >= 3
+    assert len(opt.powersgd_state.reducer.buckets) >= 3
     train(model, opt, steps=SETTLED + 2)
-    assert opt._tuner.phase == "settled"
+    assert opt.powersgd_state.tuner.phase == "settled"
     assert_same_on_every_rank(torch.tensor(plan_of(opt), dtype=torch.float32), "plan")
     for n, p in model.named_parameters():
         assert torch.isfinite(p).all(), n
@@ -105,7 +105,7 @@ def test_changing_a_buckets_rank_or_method_loses_nothing(rounds):
     params = dict(model.named_parameters())
     start = {n: p.detach().clone() for n, p in params.items()}
     averaged = {n: torch.zeros_like(p) for n, p in params.items()}
-    buckets = len(opt._reducer.buckets)
+    buckets = len(opt.powersgd_state.reducer.buckets)
     # Forced plans after the model's (at step 8): ranks change, a bucket goes
     # plain and back, everything plain, then rank 1 everywhere.
     forced = {11: [4] * buckets, 13: [1] + [0] * (buckets - 1), 15: [0] * buckets,
@@ -119,7 +119,9 @@ def test_changing_a_buckets_rank_or_method_loses_nothing(rounds):
         loss.backward()
         opt.synchronize()
         if step in forced:
-            opt._tuner._apply(opt, forced[step])  # where the tuner changes plans
+            opt.powersgd_state.tuner._apply(
+                opt.powersgd_state, forced[step]
+            )  # where the tuner changes plans
         with opt.skip_synchronize():
             opt.step()
         errors = opt.compressor.state_dict()["error_buffers"]
@@ -143,7 +145,7 @@ def test_a_resume_goes_on_with_the_plan_bit_for_bit(shared_dir):
     resumed = make_model(seed=5)
     resumed_opt = auto(resumed, auto_link="20mbit")
     hps.load_checkpoint(path, resumed, resumed_opt)
-    assert resumed_opt._tuner.phase == "settled"
+    assert resumed_opt.powersgd_state.tuner.phase == "settled"
     assert plan_of(resumed_opt) != [0] * len(plan_of(resumed_opt))
     train(resumed, resumed_opt, steps=6, first_step=12)
     assert plan_of(resumed_opt) == plan_of(opt)
@@ -166,7 +168,7 @@ def test_horovods_rank0_resume_gives_every_rank_the_plan():
     hvd.broadcast_parameters(resumed.state_dict(), root_rank=0)
     with pytest.warns(UserWarning, match="took the PowerSGD state of rank 0"):
         train(resumed, resumed_opt, steps=3, first_step=10)
-    assert resumed_opt._tuner.phase == "settled"
+    assert resumed_opt.powersgd_state.tuner.phase == "settled"
     assert_same_on_every_rank(torch.tensor(plan_of(resumed_opt), dtype=torch.float32), "plan")
     assert plan_of(resumed_opt) == plan_of(opt)
     for n, p in resumed.named_parameters():
@@ -198,7 +200,9 @@ def test_at_full_rank_auto_delivers_the_plain_average():
         loss.backward()
         opt.synchronize()
         if step == 10:
-            opt._tuner._apply(opt, [8] * len(opt._reducer.buckets))
+            opt.powersgd_state.tuner._apply(
+                opt.powersgd_state, [8] * len(opt.powersgd_state.reducer.buckets)
+            )
         if step >= 13:
             assert all(opt.compressor.is_compressed(n) for n in average)
             for n, p in model.named_parameters():
@@ -250,10 +254,10 @@ def test_the_first_rank_writes_the_profile_the_scale_cli_predicts_from(tmp_path,
         # The profile predicts every plan as auto's own model did when it planned.
         data = json.loads(path.read_text())
         profile = planner.Measurements.from_dict(data)
-        measured = opt._tuner.measurements
+        measured = opt.powersgd_state.tuner.measurements
         # How many workers took it: bench.scale checks a one-worker profile on a free link.
         assert data["workers"] == profile.workers == hvd.size()
-        assert len(profile.buckets) == len(opt._reducer.buckets)
+        assert len(profile.buckets) == len(opt.powersgd_state.reducer.buckets)
         for plan in ([0] * len(profile.buckets), plan_of(opt)):
             assert planner.predict(profile, plan) == pytest.approx(planner.predict(measured, plan))
         rows = scale.table(
@@ -262,7 +266,7 @@ def test_the_first_rank_writes_the_profile_the_scale_cli_predicts_from(tmp_path,
         assert rows[0]["step_ms"]["horovod"] > 0
         # It holds each bucket's tensors, which a hierarchical prediction shares out as
         # the library does: their sizes, and at each rank the factors of those it compresses.
-        for bucket, b in zip(opt._reducer.buckets, profile.buckets):
+        for bucket, b in zip(opt.powersgd_state.reducer.buckets, profile.buckets):
             assert [t.numel for t in b.tensors] == [p.numel() for p in bucket.params]
             assert sum(t.wire_bytes for t in b.tensors) == b.plain_bytes
             for rank, option in b.options.items():
@@ -281,11 +285,11 @@ def test_the_profile_carries_the_candidates_timed_steps(tmp_path, monkeypatch):
     model = make_model()
     opt = auto(model)
     train(model, opt, SETTLED + 2)
-    assert opt._tuner.phase == "settled"
+    assert opt.powersgd_state.tuner.phase == "settled"
     if hvd.rank() == 0:
         data = json.loads(path.read_text())
         trials = data["trials"]
-        assert [t["plan"] for t in trials] == opt._tuner.candidates
+        assert [t["plan"] for t in trials] == opt.powersgd_state.tuner.candidates
         assert all(t["step_s"] > 0 for t in trials)
         # Each timed step (the ranks' mean), from which auto knows the trials' noise.
         for t in trials:
@@ -316,7 +320,7 @@ def test_a_profile_that_cannot_be_written_is_logged_and_training_goes_on(
             if hvd.rank() == 0:
                 os.rmdir(folder)
         train(model, opt, SETTLED + 2)  # measured, tried and settled: two profile writes
-    assert opt._tuner.phase == "settled"
+    assert opt.powersgd_state.tuner.phase == "settled"
     assert_same_on_every_rank(model[0].weight, f"profile.{where}")
     lines = [record.getMessage() for record in caplog.records]
     about = [line for line in lines if tuner_module.PROFILE_VARIABLE in line]
@@ -346,9 +350,9 @@ def test_the_profiles_rest_is_the_step_beyond_its_communication(monkeypatch):
     model.register_forward_pre_hook(lambda module, args: time.sleep(forward_s))
     opt = auto(model)
     train(model, opt, tuner_module.MEASURE_STEPS + 1)
-    measured = opt._tuner.measurements
-    hidden = hidden_s * len(opt._reducer.buckets)  # a clean step's unexplained waits
-    assert len(opt._reducer.buckets) >= 3
+    measured = opt.powersgd_state.tuner.measurements
+    hidden = hidden_s * len(opt.powersgd_state.reducer.buckets)  # a clean step's unexplained waits
+    assert len(opt.powersgd_state.reducer.buckets) >= 3
     # The forward's sleep is in the rest; the hidden waits are not (with slack for the
     # optimizer and the backward before the first gradient on 2 shared cores).
     assert forward_s * 0.9 < measured.rest_s < forward_s + hidden / 2, (measured, hidden)
@@ -368,9 +372,9 @@ def test_a_long_start_iter_is_measured_at_its_end_not_its_cold_first_steps():
     opt = auto(model, start_iter=start_iter)
     for step in range(start_iter):
         steps.append(step)
-        assert opt._tuner.measurements is None, f"measured before step {step}"
+        assert opt.powersgd_state.tuner.measurements is None, f"measured before step {step}"
         train(model, opt, 1, first_step=step)
-    measured = opt._tuner.measurements
+    measured = opt.powersgd_state.tuner.measurements
     assert measured is not None  # measured by the end of the plain steps
     # The clean steps are all warm: a step of the warm forward plus a small model's step,
     # far under one cold forward.
@@ -408,7 +412,7 @@ def test_on_cuda_the_profile_times_the_device_not_the_host(monkeypatch):
     model.register_forward_pre_hook(lambda module, args: time.sleep(forward_s))
     opt = auto(model)
     train(model, opt, tuner_module.MEASURE_STEPS)
-    measured = opt._tuner.measurements
+    measured = opt.powersgd_state.tuner.measurements
     # Every bucket is ready LAG after the first hook on the device's clock (the host saw
     # them within milliseconds of it), and the step's span on the device is as long, so
     # the rest of the step (the step less that span) is the forward less LAG, not the

@@ -60,7 +60,7 @@ def train(model, opt, steps, first_step=0, use_head=True):
 
 
 def plan_of(opt):
-    return [opt.compressor.ranks[b.index] for b in opt._reducer.buckets]
+    return [opt.compressor.ranks[b.index] for b in opt.powersgd_state.reducer.buckets]
 
 
 def assert_one_plan_and_same_parameters(model, opt):
@@ -79,10 +79,12 @@ def test_a_parameter_unused_on_one_rank_measures_and_settles(rounds):
     model = Branchy()
     opt = auto(model, rounds=rounds)
     head = model.head.weight
-    head_bucket = next(b.index for b in opt._reducer.buckets if any(p is head for p in b.params))
-    assert head_bucket == 0 and len(opt._reducer.buckets) >= 3
+    head_bucket = next(
+        b.index for b in opt.powersgd_state.reducer.buckets if any(p is head for p in b.params)
+    )
+    assert head_bucket == 0 and len(opt.powersgd_state.reducer.buckets) >= 3
     train(model, opt, steps=SETTLED + 2, use_head=hvd.rank() == 0)
-    assert opt._tuner.phase == "settled"
+    assert opt.powersgd_state.tuner.phase == "settled"
     assert_one_plan_and_same_parameters(model, opt)
 
 
@@ -101,14 +103,14 @@ def test_a_replan_is_one_decision_when_the_ranks_timed_different_links(monkeypat
     model = Branchy()
     opt = auto(model)
     train(model, opt, steps=SETTLED)
-    assert opt._tuner.phase == "settled"
+    assert opt.powersgd_state.tuner.phase == "settled"
     monkeypatch.setattr(tuner_module, "DRIFT", 0.0)
     link = (1e10, 1e-5) if hvd.rank() == 0 else (1e6, 1e-3)
     monkeypatch.setattr(tuner_module, "_time_link", fake_link_timings(*link))
-    opt._tuner._next_check = opt.powersgd_step + 1
+    opt.powersgd_state.tuner._next_check = opt.powersgd_step + 1
     monkeypatch.setattr(tuner_module, "CHECK_EVERY", 3)
     train(model, opt, steps=30, first_step=SETTLED)
-    m = opt._tuner.measurements.link
+    m = opt.powersgd_state.tuner.measurements.link
     assert_same_on_every_rank(torch.tensor([m.latency_s, m.bytes_per_s]), "link")
     assert_one_plan_and_same_parameters(model, opt)
 
@@ -126,7 +128,7 @@ def test_failing_buckets_seen_by_one_rank_raise_its_rank_on_every_rank(monkeypat
     failing = [target] if hvd.rank() == 0 else []
     monkeypatch.setattr(tuner_module, "_failing_buckets", lambda opt: failing)
     monkeypatch.setattr(tuner_module, "TOLERANCE", 10.0)  # any raise fits the budget
-    opt._tuner._next_check = opt.powersgd_step + 1
+    opt.powersgd_state.tuner._next_check = opt.powersgd_step + 1
     train(model, opt, steps=6, first_step=tuner_module.MEASURE_STEPS + 1)
     assert plan_of(opt)[target] != settled[target]  # rank 0's view was taken
     assert_one_plan_and_same_parameters(model, opt)
@@ -149,7 +151,7 @@ def test_a_link_variable_set_on_some_ranks_fails_on_every_rank(monkeypatch):
     with pytest.raises(ValueError, match="HOROVOD_POWERSGD_LINK='fast'"):
         auto(model)
     monkeypatch.setenv(tuner_module.LINK_ENV, "50mbit")
-    assert auto(model)._tuner.pinned is not None  # alike everywhere: taken
+    assert auto(model).powersgd_state.tuner.pinned is not None  # alike everywhere: taken
 
 
 def test_a_bucket_planned_plain_travels_as_horovod_sends_it_under_a_float16_wire():
@@ -157,8 +159,8 @@ def test_a_bucket_planned_plain_travels_as_horovod_sends_it_under_a_float16_wire
     # the exact fp32 average, 4 bytes an element (it travelled in float16: 7e-4 off).
     model = Branchy()
     opt = auto(model, momentum=0.0, comm_dtype=torch.float16, auto_link="20mbit")
-    buckets = len(opt._reducer.buckets)
-    first = {id(p) for p in opt._reducer.buckets[0].params}
+    buckets = len(opt.powersgd_state.reducer.buckets)
+    first = {id(p) for p in opt.powersgd_state.reducer.buckets[0].params}
     plain_names = [n for n, p in model.named_parameters() if id(p) in first]
     for step in range(14):
         x, y = batch(step)
@@ -172,7 +174,9 @@ def test_a_bucket_planned_plain_travels_as_horovod_sends_it_under_a_float16_wire
         loss.backward()
         opt.synchronize()
         if step == tuner_module.MEASURE_STEPS:
-            opt._tuner._apply(opt, [0] + [2] * (buckets - 1))  # bucket 0 plain, others r2
+            opt.powersgd_state.tuner._apply(
+                opt.powersgd_state, [0] + [2] * (buckets - 1)
+            )  # bucket 0 plain, others r2
         if step > tuner_module.MEASURE_STEPS:
             for n in plain_names:
                 p = dict(model.named_parameters())[n]
@@ -192,7 +196,7 @@ def test_the_plan_reports_plain_until_start_iter_and_the_settled_plan_is_logged_
     opt = auto(model, auto_link="20mbit", start_iter=12)
     with caplog.at_level("INFO", logger="horovod_powersgd"):
         train(model, opt, steps=11)
-        assert opt._tuner.measurements is None and not any(plan_of(opt))
+        assert opt.powersgd_state.tuner.measurements is None and not any(plan_of(opt))
         rows = opt.compression_stats()["plan"]
         assert all(row["method"] == "plain" and row["rank"] == 0 for row in rows)
         train(model, opt, steps=1, first_step=11)

@@ -129,4 +129,4 @@ def test_a_process_set_gone_mid_training_raises_horovods_internal_error():
         assert "does not exist" in str(raised.value)
         # A collective of the step's own, enqueued after the set is gone: the same.
         with pytest.raises(hvd.HorovodInternalError, match="does not exist"):
-            opt._comm.allreduce_async([torch.zeros(4)], "gone")
+            opt.powersgd_state.comm.allreduce_async([torch.zeros(4)], "gone")

@@ -124,13 +124,13 @@ def test_messages_leave_while_backward_still_runs(monkeypatch):
     first = model[0].weight  # the first layer's gradient is the last one backward makes
     launched_before_last_gradient = []
     first.register_post_accumulate_grad_hook(
-        lambda p: launched_before_last_gradient.append(len(opt._reducer.launched))
+        lambda p: launched_before_last_gradient.append(len(opt.powersgd_state.reducer.launched))
     )
     opt = powersgd(model, rank=2, rounds=1)
-    assert len(opt._reducer.buckets) > 2
+    assert len(opt.powersgd_state.reducer.buckets) > 2
     train(model, opt, steps=1)
     # every bucket but the first layer's own had left when its gradient arrived
-    assert launched_before_last_gradient == [len(opt._reducer.buckets) - 1]
+    assert launched_before_last_gradient == [len(opt.powersgd_state.reducer.buckets) - 1]
 
 
 def test_rounds1_sends_q_and_p_on_alternate_steps():
@@ -197,7 +197,7 @@ def test_after_backward_a_step_makes_at_most_one_more_round_of_collectives(round
     model = make_model()
     opt = powersgd(model, rank=2, rounds=rounds)
     train(model, opt, steps=4)  # past the first step's agreements and checks
-    comm, events = opt._comm, []
+    comm, events = opt.powersgd_state.comm, []
     launch, wait = comm.allreduce_async, comm.wait
     monkeypatch.setattr(comm, "allreduce_async", lambda t, n: events.append("send") or launch(t, n))
     monkeypatch.setattr(comm, "wait", lambda handle: events.append("wait") or wait(handle))

@@ -68,7 +68,7 @@ def test_auto_with_sparse_as_dense_measures_and_trains(link):
     model = EmbeddingModel(rows=4096, width=256)
     opt = wrap(model, torch.optim.SGD(model.parameters(), lr=0.05), rank="auto", auto_link=link)
     run(model, opt, steps=12)  # 8 measuring steps (the probes at 6 and 7), then a plan
-    assert opt._tuner.phase != "measure"
+    assert opt.powersgd_state.tuner.phase != "measure"
     assert model.embedding.weight.grad.is_sparse
     assert_model_same_on_every_rank(model, f"auto.{link}")
 
@@ -77,9 +77,9 @@ def test_auto_with_sparse_as_dense_measures_and_trains(link):
 def test_sparse_as_dense_with_zero_grad_keeping_tensors_and_momentum():
     model = EmbeddingModel()
     opt = wrap(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
-    opt._guard.every = 2  # check (and fingerprint the sparse momentum) often
+    opt.powersgd_state.guard.every = 2  # check (and fingerprint the sparse momentum) often
     run(model, opt, steps=5, set_to_none=False)
-    assert opt._guard.checks >= 2
+    assert opt.powersgd_state.guard.checks >= 2
     assert opt.state[model.embedding.weight]["momentum_buffer"].is_sparse
     assert_model_same_on_every_rank(model, "keep")
 
@@ -94,7 +94,7 @@ def test_a_drifted_sparse_momentum_buffer_is_repaired():
         opt.state[weight]["momentum_buffer"] = (buffer.to_dense() * 1.5).to_sparse()
         with torch.no_grad():
             weight.add_(1e-3)
-    assert opt._guard.check(opt.state) == ["embedding.weight"]
+    assert opt.powersgd_state.guard.check(opt.state) == ["embedding.weight"]
     assert opt.state[weight]["momentum_buffer"].is_sparse
     assert_same_on_every_rank(opt.state[weight]["momentum_buffer"].to_dense(), "repaired.buf")
     assert_same_on_every_rank(weight, "repaired.weight")
@@ -141,8 +141,8 @@ def test_a_dense_model_agrees_on_sparsity_once():
         opt.zero_grad()
         model(torch.ones(2, 8)).sum().backward()
         opt.step()
-        assert not opt._sparse.checks  # from the first step on: no more checks
-    assert not opt._sparse.sparse
+        assert not opt.powersgd_state.sparse.checks  # from the first step on: no more checks
+    assert not opt.powersgd_state.sparse.sparse
 
 
 # --- item 7: without sparse_as_dense, sparse gradients are all-gathered ---------------------

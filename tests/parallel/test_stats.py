@@ -135,7 +135,7 @@ def test_statistics_after_a_load_describe_the_loaded_state_only():
     assert stats["checked_step"] is None
     for layer in stats["layers"]:
         assert layer["relative_error"] is None and layer["avg_relative_error"] is None, layer
-    assert opt._monitor._history == []
+    assert opt.powersgd_state.monitor._history == []
     train(model, opt, steps=monitor.CHECK_EVERY, first_step=monitor.CHECK_EVERY)
     stats = opt.compression_stats(per_layer=True)
     assert stats["checked_step"] == 2 * monitor.CHECK_EVERY  # the loaded counter went on

@@ -26,3 +26,25 @@ def test_the_package_cites_no_issue_of_its_own_but_may_cite_another_projects(tmp
         "horovod_powersgd/tuner.py:1",
     ], found
     assert check_structure.history() == []  # the package itself, today
+
+
+def test_no_module_reaches_into_another_modules_private_members(tmp_path):
+    package = tmp_path / "horovod_powersgd"
+    package.mkdir()
+    (package / "tuner.py").write_text(
+        "import torch\n"
+        "class Tuner:\n"
+        "    def __init__(self):\n"
+        "        self._window = []\n"
+        "    def end_step(self, opt, other):\n"
+        "        opt._reducer.refresh()\n"  # the optimizer's private part: refused
+        "        other._window.clear()\n"  # its own class's member on another instance
+        "        torch._foreach_norm([])\n"  # a private API of a module from outside
+        "        self.comm._counters = 0\n"  # a public part's private member: refused
+    )
+    found = check_structure.private_reach(package)
+    assert [line.split(" reaches")[0] for line in found] == [
+        "horovod_powersgd/tuner.py:6",
+        "horovod_powersgd/tuner.py:9",
+    ], found
+    assert check_structure.private_reach() == []  # the package itself, today
