@@ -786,3 +786,51 @@ class PowerSGDCompressor:
             for g in factors.groups.values():
                 sent = "qt_local" if self.schedule.sends(g) == "q" else "pt"
                 yield g.names, g.rows["matrices"], g.rows[sent]
+
+
+def local_step(
+    compressor: PowerSGDCompressor, bucket: int, grads: Mapping, out: dict, *, workers: int = 1,
+    done: int = 2, partners: bool = True, mark=None,
+) -> list[str]:  # fmt: skip
+    """One worker's PowerSGD work on bucket `bucket`, nothing sent: the segments the
+    reducer runs between its collectives, in its order (the protocol above), with each
+    "sum" the buffer itself. The one driver of the local step outside the reducer:
+    auto's probe times it, the GPU kit and the benchmarks' scripts run it.
+
+    Args:
+        grads: name -> gradient of each of the bucket's compressed matrices.
+        out: name -> tensor each aggregated gradient is written into (as the reducer's
+            `p.grad`).
+        workers, done: as `begin_step`'s (the float16 wire scale; the alternation and
+            warm memories: the default is a steady even step).
+        partners: orthogonalise this bucket's partners first, alone (`begin_step`
+            does every bucket's at once: pass False after calling it).
+        mark: called with each segment's name once it is queued: "partners",
+            "compress", "project" and "error" (rounds=2), "decompress".
+
+    Returns:
+        The names of the bucket's matrices (none: nothing was run).
+    """
+    mark = mark or (lambda segment: None)
+    factors = compressor.of(bucket)
+    names = [name for f in factors for name in f.names()]
+    if not names:
+        return []
+    schedule = compressor.schedule
+    schedule.workers, schedule.phase, schedule.warm = workers, done % 2, done > 0
+    if partners:
+        for f in factors:
+            schedule.begin_step([f], f.partner_batches[schedule.phase])
+        mark("partners")
+    for name in names:
+        compressor.compress(name, grads[name])
+    sent = compressor.send_buffers(bucket)
+    mark("compress")
+    if schedule.rounds == 2:
+        sent = compressor.project(sent, bucket)
+        mark("project")
+        compressor.update_error(bucket)
+        mark("error")
+    compressor.decompress(sent, out={n: out[n] for n in names}, bucket=bucket)
+    mark("decompress")
+    return names

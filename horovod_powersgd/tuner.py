@@ -58,7 +58,7 @@ import torch
 
 from . import planner
 from .comm import first_rank
-from .compressor import PowerSGDCompressor
+from .compressor import PowerSGDCompressor, local_step
 from .config import COMM_DTYPES, PowerSGDConfig, parse_link
 
 logger = logging.getLogger("horovod_powersgd")
@@ -612,28 +612,20 @@ class Tuner:
 
 
 def _time_bucket(probe, bucket, grads, scratch, workers, device):
-    """(compress seconds, all local seconds) of one bucket's PowerSGD step on `probe`."""
-    factors = probe.of(bucket.index)
-    names = [name for f in factors for name in f.names()]
-    if not names:
-        return None
-    schedule = probe.schedule
-    schedule.workers, schedule.phase, schedule.warm = workers, 0, True
+    """(compress seconds, all local seconds) of one bucket's PowerSGD step on `probe`
+    (compressor.local_step: the reducer's segments, nothing sent)."""
+    times = {}
+
+    def mark(segment: str) -> None:
+        if segment in ("compress", "decompress"):  # queued: wait for the device
+            _synchronize(device)
+            times[segment] = time.perf_counter()
+
     _synchronize(device)
     start = time.perf_counter()
-    for f in factors:
-        schedule.begin_step([f], f.partner_batches[schedule.phase])
-    for name in names:
-        probe.compress(name, grads[name])
-    _synchronize(device)
-    compressed = time.perf_counter()
-    sent = probe.send_buffers(bucket.index)  # one worker: the "sum" is the buffer itself
-    if schedule.rounds == 2:
-        sent = probe.project(sent, bucket.index)
-        probe.update_error(bucket.index)
-    probe.decompress(sent, out={n: scratch[n] for n in names}, bucket=bucket.index)
-    _synchronize(device)
-    return compressed - start, time.perf_counter() - start
+    if not local_step(probe, bucket.index, grads, scratch, workers=workers, mark=mark):
+        return None
+    return times["compress"] - start, times["decompress"] - start
 
 
 def _time_link(comm, step: int) -> list[tuple[int, float]]:
