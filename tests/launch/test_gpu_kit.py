@@ -1,4 +1,4 @@
-"""The GPU kit (scripts/gpu_check.sh) runs here on the CPU with tiny sizes.
+"""The GPU kit (scripts/gpu/gpu_check.sh) runs here on the CPU with tiny sizes.
 
 A device lease is 15 minutes, drawn by chance: a kit that breaks there wastes it. So
 the same script runs here with tiny models and the Horovod already installed, and
@@ -16,17 +16,17 @@ from types import SimpleNamespace
 import pytest
 from conftest import ROOT, launch
 
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
 import gpu_check
 
 from horovod_powersgd import planner
 from horovod_powersgd.bench import scale
 from horovod_powersgd.collectives import parse_cluster
 
-KIT = ["bash", "scripts/gpu_check.sh", "--size", "tiny"]
+KIT = ["bash", "scripts/gpu/gpu_check.sh", "--size", "tiny"]
 # What the device sends back: at most 8 files, named in letters, digits, '.', '_', '-'.
 RETURNED_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
-CHECKS = 14  # scripts/gpu_contract.py's checks
+CHECKS = 14  # scripts/gpu/gpu_contract.py's checks
 
 
 def run_kit(tmp_path, *args, timeout):

@@ -1,7 +1,7 @@
 """The GPU check of issue 39: one command that uses one device lease, and its CPU rehearsal.
 
-    bash scripts/gpu_check.sh                 # on the device machine: full sizes, builds Horovod
-    bash scripts/gpu_check.sh --size tiny     # here on the CPU: tiny models, installed Horovod
+    bash scripts/gpu/gpu_check.sh              # on the device machine: full sizes, builds Horovod
+    bash scripts/gpu/gpu_check.sh --size tiny  # here on the CPU: tiny models, installed Horovod
 
 docs/gpu.md has the device call (what to carry, the time limit). Phases, each in
 subprocesses with a time limit of its own, so that one that fails or runs out of
@@ -13,12 +13,12 @@ time is reported as such and the others still report:
             where the machine has it) for 2 ranks sharing the one GPU, whose CUDA tensors
             then travel through host memory: NCCL refuses two ranks on one GPU (NVIDIA/nccl
             issue 418)
-  timing    scripts/gpu_timing.py local: forward+backward against PowerSGD's local work and
+  timing    scripts/gpu/gpu_timing.py local: forward+backward against PowerSGD's local work and
             torch's powerSGD_hook (needs no Horovod, so it runs while Horovod compiles)
-  contract  scripts/gpu_contract.py under horovodrun: 1 rank (NCCL), 2 ranks (Gloo; MPI)
-  syncs     scripts/gpu_syncs.py probe under horovodrun (1 rank), and on CUDA
+  contract  scripts/gpu/gpu_contract.py under horovodrun: 1 rank (NCCL), 2 ranks (Gloo; MPI)
+  syncs     scripts/gpu/gpu_syncs.py probe under horovodrun (1 rank), and on CUDA
             tests/parallel/test_host_syncs.py on CUDA tensors
-  e2e       scripts/gpu_timing.py e2e under horovodrun: whole steps, 1 rank
+  e2e       scripts/gpu/gpu_timing.py e2e under horovodrun: whole steps, 1 rank
 
 Everything lands in --out (the device's $OUT): report.json, report.md and one log
 per phase, eight files at most (what the device sends back). The report is
@@ -42,8 +42,9 @@ import threading
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(ROOT, "scripts")
+KIT = os.path.join(SCRIPTS, "gpu")
 PHASES = ("probe", "build", "timing", "contract", "syncs", "e2e")
 # Seconds per phase (full: the device, within its 8 minutes; tiny: this CPU). The build
 # and the timing run side by side; contract and syncs too.
@@ -280,7 +281,7 @@ class Kit:
         self.set_size(args.size if args.size != "auto" else "tiny")  # until the probe says
         self.phases = args.phases.split(",")
         self.report = {
-            "kit": "scripts/gpu_check.py (issue 39)",
+            "kit": "scripts/gpu/gpu_check.py (issue 39)",
             "command": " ".join(sys.argv),
             "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
             "size": self.size,
@@ -594,7 +595,7 @@ class Kit:
     def start_timing(self) -> Job:
         self._timing_json = os.path.join(self.work, "timing.json")
         python = self.python("nccl" if "nccl" in self.venvs else None)[0]
-        cmd = [python, os.path.join(SCRIPTS, "gpu_timing.py"), "local",
+        cmd = [python, os.path.join(KIT, "gpu_timing.py"), "local",
                "--json", self._timing_json, "--size", self.size]  # fmt: skip
         # Not OMP_NUM_THREADS=1 here: this process is alone on its device.
         env = self.env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"))
@@ -633,7 +634,7 @@ class Kit:
                 path = os.path.join(self.work, f"contract-{_slug(label)}.jsonl")
                 if os.path.exists(path):
                     os.remove(path)
-                cmd = self.horovodrun(build, np, os.path.join(SCRIPTS, "gpu_contract.py"),
+                cmd = self.horovodrun(build, np, os.path.join(KIT, "gpu_contract.py"),
                                       "--json", path, mpi=mpi)  # fmt: skip
                 job = self.job("contract", _slug(label), cmd)
                 job.label, job.path, job.build = label, path, build
@@ -654,7 +655,7 @@ class Kit:
             if cuda and one not in self.venvs:
                 self.set_phase("syncs", "failed", note="no Horovod build with NCCL to run on")
             else:
-                cmd = self.horovodrun(one, 1, os.path.join(SCRIPTS, "gpu_syncs.py"), "probe",
+                cmd = self.horovodrun(one, 1, os.path.join(KIT, "gpu_syncs.py"), "probe",
                                       "--json", path, "--size", self.size)  # fmt: skip
                 job = self.job("syncs", "probe", cmd)
                 job.label, job.path = "probe", path
@@ -726,7 +727,7 @@ class Kit:
             self.set_phase("e2e", "failed", note="no Horovod build with NCCL to run on")
             return
         path = os.path.join(self.work, "e2e.json")
-        cmd = self.horovodrun(build, 1, os.path.join(SCRIPTS, "gpu_timing.py"), "e2e",
+        cmd = self.horovodrun(build, 1, os.path.join(KIT, "gpu_timing.py"), "e2e",
                               "--json", path, "--size", self.size)  # fmt: skip
         result = self.job("e2e", "steps", cmd).wait(self.budget("e2e"))
         self.report["e2e"] = _read_json(path)
@@ -734,7 +735,7 @@ class Kit:
         # Then rank="auto"'s profile of each model (docs/scale.md): in the e2e phase's
         # report and log, its status only a note, so that the phase's verdict is the steps'.
         path = os.path.join(self.work, "profile.json")
-        cmd = self.horovodrun(build, 1, os.path.join(SCRIPTS, "gpu_timing.py"), "profile",
+        cmd = self.horovodrun(build, 1, os.path.join(KIT, "gpu_timing.py"), "profile",
                               "--json", path, "--size", self.size)  # fmt: skip
         profile = self.job("e2e", "profile", cmd).wait(self.budget("profile"))
         self.report["profile"] = _read_json(path)
@@ -907,7 +908,7 @@ def _contract_section(report):
     contract = report.get("contract")
     if not contract:
         return []
-    lines = ["", "## Parallel contract (scripts/gpu_contract.py)", "",
+    lines = ["", "## Parallel contract (scripts/gpu/gpu_contract.py)", "",
              "| run | device | ranks | NCCL built | passed | failed | seconds |",
              "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     failures = []
@@ -976,7 +977,7 @@ def _timing_section(report, cuda):
                       f"buckets: {first['buckets']}, compressed tensors: "
                       f"{first['compressed_tensors']}): {phases}."]  # fmt: skip
         for key, graphed in (model.get("graphed") or {}).items():
-            lines += ["", f"The local work at {key} as one CUDA graph (scripts/gpu_timing.py "
+            lines += ["", f"The local work at {key} as one CUDA graph (scripts/gpu/gpu_timing.py "
                       f"`_graphed`): eager {_ms(graphed.get('eager_ms'))} ms, replayed "
                       f"{_ms(graphed.get('graph_ms'))} ms."]  # fmt: skip
         lines += _verdict(model, cuda)
@@ -1071,7 +1072,7 @@ def _syncs_section(report):
     syncs = report.get("syncs")
     if not syncs:
         return []
-    lines = ["", "## Host reads and syncs in training steps (scripts/gpu_syncs.py)"]
+    lines = ["", "## Host reads and syncs in training steps (scripts/gpu/gpu_syncs.py)"]
     probe = (syncs.get("probe") or {}).get("result")
     if probe:
         every = probe.get("drift_check_every", 20)

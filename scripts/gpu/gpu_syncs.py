@@ -14,10 +14,10 @@ bool(...)``, a fast path that is free on the CPU) never runs on an accelerator:
 it is marked `cpu_only`.
 
 On CUDA, ``torch.cuda.set_sync_debug_mode`` catches every synchronising torch
-call, those of C++ code too; `probe` (``python scripts/gpu_syncs.py probe``,
+call, those of C++ code too; `probe` (``python scripts/gpu/gpu_syncs.py probe``,
 the kit's "syncs" phase, under horovodrun) uses both.
 
-Used by tests/parallel/test_host_syncs.py and scripts/gpu_check.py.
+Used by tests/parallel/test_host_syncs.py and scripts/gpu/gpu_check.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The parallel contract on the device's tensors: what users rely on, checked on every rank.
 
-    horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu_contract.py --json c.jsonl
-    horovodrun -np 2 -H localhost:2 --gloo python scripts/gpu_contract.py --json c.jsonl
+    horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu/gpu_contract.py --json c.jsonl
+    horovodrun -np 2 -H localhost:2 --gloo python scripts/gpu/gpu_contract.py --json c.jsonl
 
 The checks are those of tests/parallel (its helpers' model and data, moved to the
 device) for what users rely on, on CUDA tensors where there is a GPU (every rank

@@ -1,10 +1,10 @@
 """What PowerSGD's local work costs next to a step's forward and backward pass.
 
-    python scripts/gpu_timing.py local --json t.json --size full      # no Horovod needed
-    horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu_timing.py e2e --json e.json
-    horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu_timing.py profile --json p.json
+    python scripts/gpu/gpu_timing.py local --json t.json --size full      # no Horovod needed
+    horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu/gpu_timing.py e2e --json e.json
+    horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu/gpu_timing.py profile --json p.json
 
-``local``, per model (scripts/gpu_models.py) and precision (float32, bfloat16 autocast):
+``local``, per model (scripts/gpu/gpu_models.py) and precision (float32, bfloat16 autocast):
 
 * forward+backward of the model alone;
 * PowerSGD's local work at each rank, both schedules: the compressor driven the
