@@ -260,16 +260,14 @@ def probe(args) -> dict:
     import horovod.torch as hvd
 
     import horovod_powersgd as hps
-
-    sys.path.insert(0, os.path.dirname(_THIS_FILE))
-    import gpu_models
+    from horovod_powersgd.bench import models
 
     hvd.init()
     cuda = torch.cuda.is_available() and args.device != "cpu"
     if cuda:
         torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
     device = torch.device("cuda" if cuda else "cpu")
-    workload = gpu_models.build(args.model, args.size, device)
+    workload = models.workload(args.model, args.size, device)
     model = workload.model
     out = {"device": str(device), "model": workload.description, "ranks": hvd.size()}
     out["drift_check_every"] = args.drift_every
