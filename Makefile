@@ -98,7 +98,7 @@ demo: setup
 # warm-up, seeds 42/43, 8 epochs of one cosine; about 11 hours, checkpoint every epoch, rerun
 # to resume): CONVERGENCE_ARGS="--parts transformer" runs it alone.
 convergence: setup
-	$(PY) scripts/convergence.py $(CONVERGENCE_ARGS)
+	$(PY) scripts/convergence/convergence.py $(CONVERGENCE_ARGS)
 
 # Speed and bytes, 2 workers: one paired job per model and link (issue 47), every Horovod
 # configuration in it (local, plain, fp16, PowerSGD at BENCH_RANKS in both schedules, rank="auto"
@@ -177,18 +177,18 @@ bench-overheads: setup
 
 # The GPU check (docs/gpu.md). gpu-bundle fetches what the device machine lacks
 # (Horovod's sdist, the wheels Horovod needs for Python 3.12 there) into build/gpu-bundle,
-# which the device run carries; gpu-check runs scripts/gpu_check.sh here: tiny models on the
+# which the device run carries; gpu-check runs scripts/gpu/gpu_check.sh here: tiny models on the
 # CPU, report in build/gpu-check (a few minutes on 2 cores; tests/launch runs it too).
 gpu-bundle:
-	bash scripts/gpu_bundle.sh
+	bash scripts/gpu/gpu_bundle.sh
 
 gpu-check: setup
-	$(RUN_CAP) bash scripts/gpu_check.sh
+	$(RUN_CAP) bash scripts/gpu/gpu_check.sh
 
 # 2000 steps under mpirun: RSS over time and NaN/Inf checks -> docs/long_run.md
 # (a few minutes on 2 cores; not part of `make test`).
 long-run: setup
-	$(RUN_CAP) $(MPIRUN) $(PY) scripts/long_run.py --steps 2000
+	$(RUN_CAP) $(MPIRUN) $(PY) scripts/convergence/long_run.py --steps 2000
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache

@@ -33,7 +33,7 @@ checks and grew `ERROR_GROWTH`-fold, with gradients `GRADIENT_GROWTH`-fold;
 checks of the first `SETTLE_STEPS` steps of training do not count, nor a check
 with fewer than `CHECK_EVERY` compressed steps in its averages (`detect`). The
 runs that set these numbers are recorded in docs/results/early_warning/;
-`replay` re-judges them offline (scripts/warning_rules.py,
+`replay` re-judges them offline (scripts/warning/warning_rules.py,
 docs/results/early_warning.md). The warning names the user's line
 (`warn_at_user_line`).
 """
@@ -155,7 +155,7 @@ def replay(checks: Iterable[tuple[int, float | None, float | None]], start_iter:
     Returns:
         The first check's step at which `detect` fires, or None. The detector
         decides from these numbers alone, so a recorded run can be re-judged
-        offline (scripts/warning_rules.py, the unit tests).
+        offline (scripts/warning/warning_rules.py, the unit tests).
     """
     history: list[tuple[float, float]] = []
     for step, error, grad in checks:

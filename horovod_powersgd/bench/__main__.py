@@ -26,7 +26,7 @@ Configurations (``--configs``, comma separated; ``NAME:R`` picks a PowerSGD rank
   powersgd-none  the library with nothing compressed (min_compression_rate=1e12): beside
                  horovod, the fixed cost it adds to a step
   powersgd-hier  hierarchical=True at every rank of --ranks: exact in the node, compressed
-                 between nodes (a job of several nodes, e.g. under scripts/two_nodes.sh)
+                 between nodes (a job of several nodes, e.g. under scripts/nodes/two_nodes.sh)
   powersgd-auto, powersgd-1round-auto
                  rank="auto", both schedules (warm-up: until its tuner settles, >= 40 steps)
   horovod-slowed (--paired only) plain Horovod that sleeps --slowdown of its own step: the

@@ -32,21 +32,12 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import models
 
-def resnet50_shapes(blocks=(3, 4, 6, 3), classes: int = 1000) -> list[tuple[int, ...]]:
-    """The parameter shapes of torchvision's ResNet-50, in its order (no torchvision needed)."""
-    shapes: list[tuple[int, ...]] = [(64, 3, 7, 7), (64,), (64,)]
-    inplanes = 64
-    for stage, count in enumerate(blocks):
-        planes = 64 * 2**stage
-        for block in range(count):
-            shapes += [(planes, inplanes, 1, 1), (planes,), (planes,)]
-            shapes += [(planes, planes, 3, 3), (planes,), (planes,)]
-            shapes += [(planes * 4, planes, 1, 1), (planes * 4,), (planes * 4,)]
-            if block == 0:
-                shapes += [(planes * 4, inplanes, 1, 1), (planes * 4,), (planes * 4,)]
-            inplanes = planes * 4
-    return [*shapes, (classes, inplanes), (classes,)]
+
+def resnet50_shapes() -> list[tuple[int, ...]]:
+    """The parameter shapes of torchvision's ResNet-50, in its order (bench/models.py's)."""
+    return models.parameter_shapes(models.ResNet50)
 
 
 class ShapesModel(torch.nn.Module):

@@ -1,4 +1,4 @@
-"""Hierarchical PowerSGD on a cluster of nodes (scripts/two_nodes.sh runs it): the contract.
+"""Hierarchical PowerSGD on a cluster of nodes (scripts/nodes/two_nodes.sh runs it): the contract.
 
 argv: a directory for checkpoints, then options (`--rounds N`, `--fp16`,
 `--setting True|auto|False`, `--accumulate K`: backward_passes_per_step).

@@ -1,4 +1,4 @@
-"""A small PowerSGD training on a cluster of nodes (scripts/two_nodes.sh runs it).
+"""A small PowerSGD training on a cluster of nodes (scripts/nodes/two_nodes.sh runs it).
 
 Every rank prints one JSON line: where it ran (host, local and cross rank and
 size), the time of a 4 MB all-reduce over all ranks (the node link), the bytes

@@ -68,7 +68,7 @@ def test_horovod_builds_against_torch_214_and_all_reduces(tmp_path, monkeypatch)
         pytest.skip(f"no Horovod sdist in {CACHE} (bootstrap.sh keeps one); nothing is downloaded")
 
     # A venv of its own for torch 2.14; the rest (pip, torch's dependencies, Horovod's build
-    # helpers) from this one, behind it, as the GPU kit does (scripts/gpu_check.py).
+    # helpers) from this one, behind it, as the GPU kit does (scripts/gpu/gpu_check.py).
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
     python = venv / "bin/python"

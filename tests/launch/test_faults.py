@@ -30,6 +30,38 @@ def test_killed_worker_stops_the_job_quickly_with_an_error(launcher, python, hor
     ]
 
 
+UNEVEN_JOB = "tests/launch/uneven_exit_job.py"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("launcher", "extra_rank", "options"),
+    [
+        ("mpirun", 1, ("--small-buckets", "--rounds", "2")),
+        ("mpirun", 0, ("--rounds", "1")),
+        ("horovodrun-gloo", 0, ("--rounds", "2")),
+        ("horovodrun-gloo", 1, ("--small-buckets", "--rounds", "1")),
+    ],
+)
+def test_a_rank_that_steps_once_more_gets_horovods_shutdown_error_and_the_job_ends(
+    launcher, extra_rank, options, python, horovodrun
+):
+    # The other rank's exit shuts Horovod down; the extra step's collectives must then end
+    # with Horovod's error, as under plain Horovod, never wait for ever (docs/reliability.md).
+    # A hang past 45 s dumps the stacks and exits 1 (the job's faulthandler).
+    args = ("--extra-rank", str(extra_rank), *options)
+    if launcher == "mpirun":
+        cmd = mpirun_command(python, 2, UNEVEN_JOB, *args)
+    else:
+        cmd = [horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", python, UNEVEN_JOB, *args]
+    rc, out, _ = launch(cmd, timeout=150)
+    assert rc == 0, out[-3000:]
+    assert f"rank {1 - extra_rank} done" in out, out[-3000:]
+    raised = [line for line in out.splitlines() if f"rank {extra_rank} raised" in line]
+    assert raised, out[-3000:]
+    assert "HorovodInternalError" in raised[0] and "shut down" in raised[0], raised[0]
+
+
 def last_json(out):
     """The JSON line rank 0 prints last (launchers may prefix it; other output may follow)."""
     line = [line for line in out.splitlines() if "{" in line][-1]

@@ -1,4 +1,4 @@
-"""Hierarchical PowerSGD on two nodes (scripts/two_nodes.sh): the contract, and each edge case.
+"""Hierarchical PowerSGD on two nodes (scripts/nodes/two_nodes.sh): the contract, each edge case.
 
 Every job runs tests/launch/hierarchical_job.py, whose ranks print one JSON row
 each. The node link is capped at 100 Mbit/s, as in the benchmark.
@@ -18,8 +18,9 @@ pytestmark = pytest.mark.skipif(
 
 def run_job(python, tmp_path, *options, per_node="2", expect_ok=True):
     code, out, _ = launch(
-        ["bash", str(ROOT / "scripts/two_nodes.sh"), "--rate", "100mbit", "--per-node", per_node,
-         "--timeout", "200", "--", python, str(ROOT / "tests/launch/hierarchical_job.py"),
+        ["bash", str(ROOT / "scripts/nodes/two_nodes.sh"), "--rate", "100mbit",
+         "--per-node", per_node, "--timeout", "200", "--", python,
+         str(ROOT / "tests/launch/hierarchical_job.py"),
          str(tmp_path), *options],
         timeout=260,
     )  # fmt: skip
@@ -141,7 +142,7 @@ def test_the_fashion_mnist_example_trains_hierarchically_on_two_nodes(python, tm
     """The documented setting (--hierarchical on, both schedules) on the real example."""
     out_json = tmp_path / "metrics.json"
     code, out, _ = launch(
-        ["bash", str(ROOT / "scripts/two_nodes.sh"), "--rate", "100mbit", "--timeout", "200",
+        ["bash", str(ROOT / "scripts/nodes/two_nodes.sh"), "--rate", "100mbit", "--timeout", "200",
          "--", python, str(ROOT / "examples/fashion_mnist.py"), "--hierarchical", "on",
          "--rounds", rounds, "--epochs", "1", "--max-steps", "3", "--train-subset", "512",
          "--eval-subset", "100", "--batch-size", "16", "--no-progress", "--json", str(out_json)],

@@ -1,4 +1,4 @@
-"""A job on two nodes of two workers (scripts/two_nodes.sh): network namespaces as nodes,
+"""A job on two nodes of two workers (scripts/nodes/two_nodes.sh): network namespaces as nodes,
 the link between them capped, shared memory inside each."""
 
 import json
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(
 
 def test_powersgd_trains_on_two_nodes_of_two_workers_identically(python):
     code, out, _ = launch(
-        ["bash", str(ROOT / "scripts/two_nodes.sh"), "--rate", "100mbit", "--timeout", "150",
+        ["bash", str(ROOT / "scripts/nodes/two_nodes.sh"), "--rate", "100mbit", "--timeout", "150",
          "--", python, str(ROOT / "tests/launch/nodes_job.py")],
         timeout=200,
     )  # fmt: skip

@@ -4,12 +4,16 @@ Every rank runs the same tests in the same order. After each test the ranks
 exchange their outcome with one all-reduce, so a failure on any rank fails that
 test on every rank (and the ranks stay in step for the next test). A test marked
 ``world_size(n)`` is skipped unless exactly n processes are running.
+
+``--device cuda`` puts the helpers' model and data on each rank's GPU (local rank
+modulo the GPUs there): the GPU kit runs the user contract so. Without it, the CPU.
 """
 
 import os
 import shutil
 import tempfile
 
+import helpers
 import horovod.torch as hvd
 import pytest
 import torch
@@ -30,7 +34,15 @@ def pytest_unconfigure(config):
     shutil.rmtree(TEMP_ROOT, ignore_errors=True)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu", choices=["cpu", "cuda"],
+                     help="where the tests' model and data live (default cpu)")  # fmt: skip
+
+
 def pytest_configure(config):
+    if config.getoption("device") == "cuda":
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+        helpers.DEVICE = torch.device("cuda", torch.cuda.current_device())
     if hvd.rank() != 0:
         # One report is enough to read; every rank still asserts and exits non-zero on failure.
         config.option.verbose = -1

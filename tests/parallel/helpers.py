@@ -7,12 +7,16 @@ from torch import nn
 
 import horovod_powersgd as hps
 
+# Where the model and the data live: the CPU, or CUDA under `pytest --device cuda`
+# (conftest.py), as the GPU kit runs the user contract there (scripts/gpu/gpu_check.py).
+DEVICE = torch.device("cpu")
+
 
 def make_model(seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
     return nn.Sequential(
         nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 10)
-    ).to(dtype)
+    ).to(DEVICE, dtype)
 
 
 def batch(step, rank=None, size=16, dtype=torch.float32):
@@ -20,7 +24,7 @@ def batch(step, rank=None, size=16, dtype=torch.float32):
     g = torch.Generator().manual_seed(1000 * step + (hvd.rank() if rank is None else rank))
     x = torch.randn(size, 32, generator=g, dtype=dtype)
     y = torch.randint(0, 10, (size,), generator=g)
-    return x, y
+    return x.to(DEVICE), y.to(DEVICE)
 
 
 def train(model, opt, steps, first_step=0, dtype=torch.float32):

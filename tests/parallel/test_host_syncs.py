@@ -6,9 +6,9 @@ tensor built from host data (``torch.tensor(data, device=...)``) makes the host
 wait for the device, and the work queued behind it stops overlapping. These tests
 count such calls during whole training steps of `horovod_powersgd.DistributedOptimizer`
 (backward with its gradient hooks, then ``step()``) by patching them
-(scripts/gpu_syncs.py), on the CPU here, where every tensor is on the CPU and a
+(host_reads.py), on the CPU here, where every tensor is on the CPU and a
 count shows what a GPU step would do; on a machine with CUDA the same tests run on
-CUDA tensors too (scripts/gpu_check.py runs them there).
+CUDA tensors too (scripts/gpu/gpu_check.py runs them there).
 
 The reads allowed, by design, and how often (steps counted by
 ``compression_stats()["steps"]``):
@@ -32,19 +32,14 @@ Waiting for Horovod's collectives (``hvd.synchronize``) is not a tensor read and
 not counted here; the kit reports those waits per step.
 """
 
-import sys
-from pathlib import Path
-
 import horovod.torch as hvd
 import pytest
 import torch
 import torch.nn.functional as F
+from host_reads import HostReads
 from torch import nn
 
 import horovod_powersgd as hps
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from gpu_syncs import HostReads
 
 STATS_EVERY = 10  # layer_stats' cadence, documented on DistributedOptimizer
 DRIFT_EVERY = 20

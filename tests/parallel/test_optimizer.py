@@ -4,6 +4,7 @@ import os
 import sys
 import warnings
 
+import helpers
 import horovod.torch as hvd
 import pytest
 import torch
@@ -160,7 +161,7 @@ def test_broadcast_optimizer_state_at_start_runs_no_powersgd_step():
 
 def test_unused_and_non_finite_gradients_leave_state_finite():
     model = make_model()
-    unused = nn.Linear(64, 64)  # gets no gradient: sent as zeros, like Horovod
+    unused = nn.Linear(64, 64).to(helpers.DEVICE)  # no gradient: sent as zeros, like Horovod
     params = [
         *model.named_parameters(),
         *(("unused." + n, p) for n, p in unused.named_parameters()),
@@ -193,7 +194,7 @@ def test_unused_and_non_finite_gradients_leave_state_finite():
 def test_amp_grad_scaler_and_clipping_pattern():
     model = make_model()
     opt = powersgd(model, rank=2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler = torch.amp.GradScaler(helpers.DEVICE.type, init_scale=1024.0)
     before = [p.detach().clone() for p in model.parameters()]
     for step in range(3):
         x, y = batch(step)

@@ -8,6 +8,7 @@ import gc
 import re
 import warnings
 
+import helpers
 import horovod.torch as hvd
 import pytest
 import torch
@@ -65,7 +66,7 @@ def test_broadcast_optimizer_state_without_a_load_changes_nothing_and_warns_noth
 
 # --- fp16 on the wire keeps the gradient's scale -------------------------------------------
 def _aggregate(layer, opt, grad):
-    layer.weight.grad = grad.clone()
+    layer.weight.grad = grad.to(layer.weight.device, copy=True)
     opt.synchronize()
     return layer.weight.grad.clone()
 
@@ -74,7 +75,7 @@ def _aggregate(layer, opt, grad):
 @pytest.mark.parametrize("scale", [1e-5, 1e-3, 1.0, 1e3])
 def test_fp16_on_the_wire_stays_within_one_percent_of_float32(scale, rounds):
     torch.manual_seed(0)
-    layers = {dtype: nn.Linear(128, 64, bias=False) for dtype in (None, torch.float16)}
+    layers = {d: nn.Linear(128, 64, bias=False).to(helpers.DEVICE) for d in (None, torch.float16)}
     opts = {
         dtype: hps.DistributedOptimizer(
             torch.optim.SGD(layer.parameters(), lr=0.1),
@@ -100,7 +101,7 @@ def test_fp16_on_the_wire_stays_within_one_percent_of_float32(scale, rounds):
 def _skipped_steps(comm_dtype, rounds):
     model = make_model()
     opt = powersgd(model, rank=2, comm_dtype=comm_dtype, rounds=rounds)
-    scaler = torch.amp.GradScaler("cpu", init_scale=65536.0, growth_interval=10_000)
+    scaler = torch.amp.GradScaler(helpers.DEVICE.type, init_scale=65536.0, growth_interval=10_000)
     skipped = 0
     for step in range(12):
         x, y = batch(step)

@@ -510,7 +510,7 @@ def test_orthogonalize_is_orthonormal_at_any_condition_and_keeps_everything_at_f
     shape, condition
 ):
     # ResNet-50's and GPT-2's factor shapes, singular values from 1 to 1/condition
-    # (scripts/orthogonality.py prints the table, docs/gpu.md quotes it: at most
+    # (scripts/gpu/orthogonality.py prints the table, docs/gpu.md quotes it: at most
     # 2.8e-6 for Householder, 4.2e-8 for CholeskyQR; bound 1e-5). At full rank's floor
     # every column stays, and the projection gives back the whole matrix.
     k, n, r = shape

@@ -1,8 +1,9 @@
 """The GPU kit's pieces that need no Horovod job: its models and how its report reads a run.
 
 The kit runs once per device lease, so what it reports must be right the first time:
-the models must be the ones the issue names (their parameter counts), and a host
-read must be called by design only where it is.
+the models must be the ones the issue names (their parameter counts, and the shapes the
+op count and the published cases use), and a host read must be called by design only
+where it is.
 """
 
 import sys
@@ -11,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "gpu"))
 import gpu_check
-import gpu_models
+
+from horovod_powersgd.bench import dispatch, published
+from horovod_powersgd.bench import models as gpu_models
 
 
 @pytest.mark.parametrize(
@@ -22,12 +25,22 @@ import gpu_models
 )
 def test_full_size_models_have_the_published_parameter_counts(name, count):
     # On the meta device: shapes only, no memory (GPT-2 small is half a gigabyte).
-    model = gpu_models.build(name, "full", torch.device("meta")).model
+    model = gpu_models.workload(name, "full", torch.device("meta")).model
     assert sum(p.numel() for p in model.parameters()) == count
 
 
+def test_the_op_count_and_the_published_cases_take_resnets_shapes_from_the_models():
+    # One ResNet definition: bench/dispatch counts ops on its shapes, and bench/published
+    # (pure, no torch) writes the same shapes from the architecture's rule.
+    resnet50 = gpu_models.parameter_shapes(gpu_models.ResNet50)
+    assert dispatch.resnet50_shapes() == resnet50 == published.resnet50()
+    resnet101 = gpu_models.parameter_shapes(lambda: gpu_models.ResNet50(blocks=(3, 4, 23, 3)))
+    assert published.resnet101() == resnet101
+    assert published.resnet18_cifar() == gpu_models.parameter_shapes(gpu_models.ResNet18)
+
+
 def test_gpt2_output_layer_is_the_token_embedding():
-    model = gpu_models.build("gpt2", "tiny", torch.device("cpu")).model
+    model = gpu_models.workload("gpt2", "tiny", torch.device("cpu")).model
     assert model.head.weight is model.wte.weight
     names = [n for n, _ in model.named_parameters()]
     assert "head.weight" not in names  # sent (and compressed) once, as DDP and Horovod see it
@@ -35,7 +48,7 @@ def test_gpt2_output_layer_is_the_token_embedding():
 
 @pytest.mark.parametrize("name", ["resnet50", "gpt2"])
 def test_tiny_models_train_a_step_on_the_cpu(name):
-    workload = gpu_models.build(name, "tiny", torch.device("cpu"))
+    workload = gpu_models.workload(name, "tiny", torch.device("cpu"))
     batch = workload.batch(torch.Generator().manual_seed(0))
     loss = workload.loss(workload.model, batch)
     loss.backward()

@@ -10,7 +10,7 @@ import torch
 
 from horovod_powersgd import ErrorGrowthWarning, PowerSGDCompressor, PowerSGDConfig, monitor
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "warning"))
 import warning_rules
 
 

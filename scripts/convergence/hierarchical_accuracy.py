@@ -1,9 +1,9 @@
 """Accuracy of hierarchical PowerSGD: Fashion-MNIST CNN on two nodes of two workers.
 
-    python scripts/hierarchical_accuracy.py [--seeds 1,2,3] [--epochs 2]   # runs what is missing
-    python scripts/hierarchical_accuracy.py --report                       # the table only
+    python scripts/convergence/hierarchical_accuracy.py [--seeds 1,2,3] [--epochs 2]  # the missing
+    python scripts/convergence/hierarchical_accuracy.py --report                      # the table
 
-Per seed, three runs on scripts/two_nodes.sh (node link 100 Mbit/s): plain
+Per seed, three runs on scripts/nodes/two_nodes.sh (node link 100 Mbit/s): plain
 Horovod, flat PowerSGD rank 2 and hierarchical rank 2, the example's defaults
 otherwise. Each run's record lands in docs/results/hierarchical/accuracy/ as it
 finishes (a run already there is not repeated), so the campaign runs in pieces.
@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "docs/results/hierarchical/accuracy"
 CONFIGS = {
     "plain": ["--powersgd-rank", "0"],
@@ -34,8 +34,9 @@ def run(config: str, seed: int, epochs: int) -> None:
     path = OUT / f"{config}-seed{seed}.json"
     if path.exists() and "final" in json.loads(path.read_text()):
         return
-    cmd = ["bash", str(ROOT / "scripts/two_nodes.sh"), "--rate", "100mbit", "--timeout", "3000",
-           "--", str(ROOT / ".venv/bin/python"), str(ROOT / "examples/fashion_mnist.py"),
+    cmd = ["bash", str(ROOT / "scripts/nodes/two_nodes.sh"), "--rate", "100mbit",
+           "--timeout", "3000", "--", str(ROOT / ".venv/bin/python"),
+           str(ROOT / "examples/fashion_mnist.py"),
            "--epochs", str(epochs), "--seed", str(seed), "--no-progress",
            "--json", str(path), *CONFIGS[config]]  # fmt: skip
     print(f"[accuracy] {config} seed {seed} ...", file=sys.stderr, flush=True)

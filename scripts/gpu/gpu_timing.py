@@ -1,10 +1,10 @@
 """What PowerSGD's local work costs next to a step's forward and backward pass.
 
-    python scripts/gpu_timing.py local --json t.json --size full      # no Horovod needed
-    horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu_timing.py e2e --json e.json
-    horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu_timing.py profile --json p.json
+    python scripts/gpu/gpu_timing.py local --json t.json --size full      # no Horovod needed
+    horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu/gpu_timing.py e2e --json e.json
+    horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu/gpu_timing.py profile --json p.json
 
-``local``, per model (scripts/gpu_models.py) and precision (float32, bfloat16 autocast):
+``local``, per model (horovod_powersgd/bench/models.py) and precision (float32, bfloat16 autocast):
 
 * forward+backward of the model alone;
 * PowerSGD's local work at each rank, both schedules: the compressor driven the
@@ -40,7 +40,6 @@ import itertools
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 import traceback
@@ -48,9 +47,7 @@ import traceback
 import torch
 
 from horovod_powersgd import linalg
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gpu_models
+from horovod_powersgd.bench import models
 
 MODELS = ("resnet50", "gpt2")
 PRECISIONS = ("fp32", "bf16")
@@ -289,7 +286,7 @@ def ddp_times(name, size, device, clock, warmup, iters, rank=None, batched=False
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hook
     from torch.nn.parallel import DistributedDataParallel
 
-    workload = gpu_models.build(name, size, device)
+    workload = models.workload(name, size, device)
     cuda = device.type == "cuda"
     # On Gloo the hook's P and Q all-reduces of several buckets can deadlock, even on one
     # rank (seen here: two callbacks each waiting in its own all-reduce); one bucket, as
@@ -342,7 +339,7 @@ def run_local(args) -> dict:
         started = time.perf_counter()
         entry = result["models"].setdefault(name, {"errors": {}})
         try:
-            workload = gpu_models.build(name, args.size, device)
+            workload = models.workload(name, args.size, device)
             entry["description"] = workload.description
             entry["forward_backward_ms"] = {
                 precision: forward_backward(workload, device, precision, clock, warmup, iters)
@@ -398,7 +395,7 @@ def run_local(args) -> dict:
             for method, rounds in itertools.product(linalg.METHODS, (2, 1)):
                 key = f"rank {ranks[0]}, rounds={rounds}" + _method_key(method)
                 try:
-                    workload = gpu_models.build(name, args.size, device)
+                    workload = models.workload(name, args.size, device)
                     forward_backward(workload, device, "fp32", clock, 1, 1)  # its gradients
                     with _method(method):
                         entry["graphed"][key] = local_work(
@@ -454,7 +451,7 @@ def run_e2e(args) -> dict:
         for label, rank, rounds in configs:
             try:
                 # A fresh model each time: Horovod's optimizer leaves its hooks behind.
-                workload = gpu_models.build(name, args.size, device)
+                workload = models.workload(name, args.size, device)
                 model = workload.model
                 sgd = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
                 if rank is None:
@@ -505,7 +502,7 @@ def run_profile(args) -> dict:
         path = os.path.join(tempfile.mkdtemp(), f"{name}-profile.json")
         os.environ[PROFILE_VARIABLE] = path
         try:
-            workload = gpu_models.build(name, args.size, device)
+            workload = models.workload(name, args.size, device)
             model = workload.model
             sgd = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
             opt = hps.DistributedOptimizer(

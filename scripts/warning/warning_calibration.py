@@ -6,7 +6,7 @@ gradient norm as `compression_stats(per_layer=True)` returns them (moving
 averages, mean of the ranks: exactly what the rule in horovod_powersgd/monitor.py
 is given), the mean training loss since the last check, where the loss first
 became non-finite, and where the library's rule of the day warned. Rank 0
-writes it all as one small JSON file; scripts/warning_rules.py replays any rule
+writes it all as one small JSON file; scripts/warning/warning_rules.py replays any rule
 on those files offline.
 
 Settings (each trains Fashion-MNIST from Debian's dataset-fashion-mnist):
@@ -23,11 +23,12 @@ Settings (each trains Fashion-MNIST from Debian's dataset-fashion-mnist):
     example-lstm    examples/lstm_language_model.py; arguments after `--` go to it
     example-transformer  examples/transformer_lm.py; arguments after `--` go to it
 
-    mpirun -np 2 python scripts/warning_calibration.py --out run.json cnn --rounds 1 --lr 0.1 \
-        --start-iter 100 --seed 42
-    mpirun -np 2 python scripts/warning_calibration.py --out run.json horovod-mnist -- --seed 43
+    mpirun -np 2 python scripts/warning/warning_calibration.py --out run.json cnn --rounds 1 \
+        --lr 0.1 --start-iter 100 --seed 42
+    mpirun -np 2 python scripts/warning/warning_calibration.py --out run.json horovod-mnist \
+        -- --seed 43
     horovodrun -np 2 --min-np 2 --max-np 2 --host-discovery-script discover.sh \
-        python scripts/warning_calibration.py --out run.json elastic-mnist
+        python scripts/warning/warning_calibration.py --out run.json elastic-mnist
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from torch import nn
 import horovod_powersgd as hps
 from horovod_powersgd import monitor
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import common  # noqa: E402  (the examples' shared helpers)
 from fashion_mnist import DEFAULT_DATA_DIR, Net, load_split  # noqa: E402
@@ -182,7 +183,7 @@ def own_loop(args, trace: Trace, model: nn.Module, images, labels) -> None:
     )
     opt = powersgd(trace, opt, model, args)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    # The seeds of scripts/error_growth.py's runs in docs/results/rounds.md (+ 100 x seed).
+    # The seeds of scripts/warning/error_growth.py's runs in docs/results/rounds.md (+ 100 x seed).
     generator = torch.Generator().manual_seed(hvd.rank() + 100 * args.seed)
     for _ in range(args.steps):
         idx = torch.randint(0, len(images), (args.batch_size,), generator=generator)

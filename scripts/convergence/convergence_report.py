@@ -1,7 +1,7 @@
 """Convergence report: docs/results/convergence.md and its plots, from the run records.
 
-python scripts/convergence_report.py                   # rebuild the report
-python scripts/convergence_report.py --out DIR         # from DIR/convergence/ into DIR
+python scripts/convergence/convergence_report.py                   # rebuild the report
+python scripts/convergence/convergence_report.py --out DIR         # from DIR/convergence/ into DIR
 """
 
 from __future__ import annotations
@@ -232,8 +232,9 @@ def write_report(groups, out_dir):
     lines = [
         "# Convergence: plain Horovod vs PowerSGD, both schedules, several seeds",
         "",
-        "Written by `scripts/convergence.py` (`make convergence`) from the per-run JSON files",
-        "in [`convergence/`](convergence/); every number below was measured by that script.",
+        "Written by `scripts/convergence/convergence.py` (`make convergence`) from the per-run",
+        "JSON files in [`convergence/`](convergence/); every number below was measured by that",
+        "script.",
         "Each run: 2 workers on one 2-core machine,",
         f'`horovodrun -np 2 -H localhost:2 --mpi-args="{MPI_ARGS}"` with',
         "`OMP_NUM_THREADS=1` (the README's launch settings). Runs of one configuration differ",

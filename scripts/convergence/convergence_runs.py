@@ -8,7 +8,7 @@ import platform
 import statistics
 from dataclasses import dataclass
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The launcher settings the README recommends: without yield-when-idle, a rank waiting in
 # MPI spins on a core the other rank needs (2 workers on 2 cores).

@@ -1,8 +1,8 @@
 """What each configuration sends over the node link, and each worker's compression work.
 
-Run on a cluster of nodes (scripts/two_nodes.sh starts one on this machine):
+Run on a cluster of nodes (scripts/nodes/two_nodes.sh starts one on this machine):
 
-    bash scripts/two_nodes.sh --rate 100mbit -- .venv/bin/python scripts/node_link.py \\
+    bash scripts/nodes/two_nodes.sh --rate 100mbit -- .venv/bin/python scripts/nodes/node_link.py \\
         --model resnet18 --configs horovod,powersgd:2,powersgd:4,powersgd-hier:2,powersgd-hier:4
 
 For each configuration, after --warmup steps: the bytes the nodes' network

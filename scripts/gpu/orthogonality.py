@@ -6,7 +6,7 @@ from 1 down to 1/condition, random singular vectors, float32), the largest
 many columns were kept, for Householder and CholeskyQR at the default floor and at
 full rank's (`dependence_floor(..., complete=True)`). Prints a markdown table.
 
-    python scripts/orthogonality.py [--seed 0]
+    python scripts/gpu/orthogonality.py [--seed 0]
 """
 
 from __future__ import annotations

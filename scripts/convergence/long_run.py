@@ -1,7 +1,7 @@
 """Long run: memory stays flat and no NaN/Inf appears over thousands of steps.
 
 Launch (what `make long-run` does):
-    mpirun --allow-run-as-root -np 2 .venv/bin/python scripts/long_run.py --steps 2000
+    mpirun --allow-run-as-root -np 2 .venv/bin/python scripts/convergence/long_run.py --steps 2000
 
 Every rank trains a small CNN with horovod_powersgd at rank 2 (different data
 on each rank), samples its peak RSS every --every steps and checks that

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make gpu-bundle`: what the device machine lacks for scripts/gpu_check.sh, fetched here
+# `make gpu-bundle`: what the device machine lacks for scripts/gpu/gpu_check.sh, fetched here
 # (where the registries are) into an ignored folder that the device `run` carries
 # (docs/gpu.md gives the call):
 #   * Horovod's sdist as released on PyPI. It is built there by scripts/bootstrap.sh, which
@@ -16,7 +16,7 @@
 # Variables: GPU_BUNDLE [build/gpu-bundle]  PYTHON [.venv/bin/python, else python3]
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT"
 BUNDLE=${GPU_BUNDLE:-build/gpu-bundle}
 if [[ -z "${PYTHON:-}" ]]; then

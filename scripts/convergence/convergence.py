@@ -1,13 +1,13 @@
 """Convergence campaign: plain Horovod vs PowerSGD, both schedules, several seeds.
 
-    python scripts/convergence.py                          # the four parts (many hours)
-    python scripts/convergence.py --parts auto --auto-link 38mbit,1.5ms  # rank="auto"
-    python scripts/convergence.py --parts transformer      # the transformer (about 11 hours)
-    python scripts/convergence.py --parts fashion,warmup   # Fashion-MNIST only
-    python scripts/convergence.py --deadline 09:40         # start no run after 09:40 UTC
-    python scripts/convergence.py --parts transformer --only transformer_lm-plain  # one config
-    python scripts/convergence.py --parts lstm --lm-epochs 24  # train the LSTM runs on
-    python scripts/convergence.py --report-only            # rebuild the report
+    python scripts/convergence/convergence.py                          # the four parts (many hours)
+    python scripts/convergence/convergence.py --parts auto --auto-link 38mbit,1.5ms  # rank="auto"
+    python scripts/convergence/convergence.py --parts transformer     # the transformer (11 hours)
+    python scripts/convergence/convergence.py --parts fashion,warmup  # Fashion-MNIST only
+    python scripts/convergence/convergence.py --deadline 09:40        # no run after 09:40 UTC
+    python scripts/convergence/convergence.py --parts transformer --only transformer_lm-plain
+    python scripts/convergence/convergence.py --parts lstm --lm-epochs 24  # train the LSTM runs on
+    python scripts/convergence/convergence.py --report-only            # rebuild the report
 
 How the campaign is run, and why: docs/results/convergence-notes.md.
 """

@@ -6,8 +6,8 @@ gradient, of the aggregated gradient the optimizer applies, and of the error
 buffers. A healthy run keeps the aggregate near the raw gradient and the
 error bounded; a diverging one releases a growing error in ever larger updates.
 
-    mpirun -np 2 --mca mpi_yield_when_idle 1 python scripts/error_growth.py --rounds 1
-    mpirun -np 2 --mca mpi_yield_when_idle 1 python scripts/error_growth.py --rounds 2
+    mpirun -np 2 --mca mpi_yield_when_idle 1 python scripts/warning/error_growth.py --rounds 1
+    mpirun -np 2 --mca mpi_yield_when_idle 1 python scripts/warning/error_growth.py --rounds 2
 
 `--error-decay` and `--error-bound` are experiments on rounds=1, not library
 features: they shrink this rank's error buffer after every compression (by a
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import horovod_powersgd as hps
 from horovod_powersgd.compressor import PowerSGDCompressor
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 from fashion_mnist import DEFAULT_DATA_DIR, Net, load_split
 
 

@@ -1,6 +1,6 @@
 """Judge an early-warning rule on the recorded runs, offline: false alarms and detections.
 
-Reads the runs scripts/warning_calibration.py recorded (docs/results/early_warning/
+Reads the runs scripts/warning/warning_calibration.py recorded (docs/results/early_warning/
 *.json) and replays each through horovod_powersgd.monitor.replay, the code path
 the library's monitor runs at every check. A run counts as diverging from the
 first step whose loss was non-finite, or else from the first check whose mean
@@ -11,10 +11,10 @@ count in neither rate). A healthy run that warns is a false alarm; a diverging
 run is detected when the warning comes at a check before the divergence, and
 the table gives how many steps before.
 
-    python scripts/warning_rules.py                          # the library's rule
-    python scripts/warning_rules.py --set GRADIENT_GROWTH=1.3 --set SETTLE_STEPS=50
-    python scripts/warning_rules.py --rule my_rule.py:growing --set WINDOW=4
-    python scripts/warning_rules.py --check-recorded         # replay == what warned live
+    python scripts/warning/warning_rules.py                          # the library's rule
+    python scripts/warning/warning_rules.py --set GRADIENT_GROWTH=1.3 --set SETTLE_STEPS=50
+    python scripts/warning/warning_rules.py --rule my_rule.py:growing --set WINDOW=4
+    python scripts/warning/warning_rules.py --check-recorded         # replay == what warned live
 
 `--rule FILE:FUNCTION` replaces `monitor.growing` (same signature: the last
 `WINDOW + 1` (error norm, gradient norm) pairs that count -> bool); `--set`
@@ -35,7 +35,7 @@ import sys
 
 from horovod_powersgd import monitor
 
-RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "results")
+RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "docs", "results")
 RUNS = os.path.normpath(os.path.join(RUNS, "early_warning"))
 # A run whose mean loss at a check reaches this multiple of its lowest earlier
 # check mean has undone its training (the healthy runs stay below 2x).

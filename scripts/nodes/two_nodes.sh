@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A cluster of two nodes on this machine, for multi-node jobs and their tests.
 #
-#   bash scripts/two_nodes.sh [--rate RATE] [--per-node N] [--timeout S] -- PROGRAM [ARGS...]
+#   bash scripts/nodes/two_nodes.sh [--rate RATE] [--per-node N] [--timeout S] -- PROGRAM [ARGS...]
 #
 # Two network namespaces joined by a veth pair (docker/netns-pair.sh) are the
 # nodes, each with a hostname of its own (a UTS namespace per process tree), so
@@ -13,7 +13,7 @@
 # namespaces instead of ssh. Everything started is ended, the namespaces deleted,
 # on exit. Exit status: mpirun's (124 past --timeout). Needs root, iproute2, unshare.
 set -euo pipefail
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 SUBNET=10.88.0
 
 if [[ "${1:-}" == --agent ]]; then # OpenMPI's rsh agent: --agent HOST COMMAND...
@@ -57,7 +57,7 @@ printf -v program '%q ' "$@"
 first=${per_node%,*} second=${per_node#*,}
 launch="mpirun --allow-run-as-root --oversubscribe -np $((first + second)) \
   -H $SUBNET.1:$first,$SUBNET.2:$second --bind-to none --map-by slot \
-  --mca plm_rsh_agent '$ROOT/scripts/two_nodes.sh --agent' \
+  --mca plm_rsh_agent '$ROOT/scripts/nodes/two_nodes.sh --agent' \
   --mca btl self,tcp,vader --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 \
   --mca mpi_yield_when_idle 1 -x PATH -x OMP_NUM_THREADS -x PYTHONUNBUFFERED \
   -x HPS_NODES $program"

@@ -1,9 +1,9 @@
 """Time the collectives inside a node, as hierarchical PowerSGD runs them, on every node at once.
 
-Run on a cluster of nodes (scripts/two_nodes.sh starts one on this machine):
+Run on a cluster of nodes (scripts/nodes/two_nodes.sh starts one on this machine):
 
-    bash scripts/two_nodes.sh --rate 100mbit -- env HOROVOD_DYNAMIC_PROCESS_SETS=1 \\
-        .venv/bin/python scripts/node_collectives.py --mb 4,16,64
+    bash scripts/nodes/two_nodes.sh --rate 100mbit -- env HOROVOD_DYNAMIC_PROCESS_SETS=1 \\
+        .venv/bin/python scripts/nodes/node_collectives.py --mb 4,16,64
 
 For each size (MB of float32) the node's all-reduce of it, its reduce-scatter as
 L rows (the size in all) and its all-gather of one row a worker (size / L each),

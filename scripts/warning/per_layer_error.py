@@ -6,7 +6,7 @@ are in docs/results/per_layer_error.md), then writes, per example, a PNG of
 prints a Markdown table of each layer's relative error and error/gradient
 ratio averaged over the last ``--tail`` logged steps.
 
-    python scripts/per_layer_error.py --runs runs/per_layer --out docs/results
+    python scripts/warning/per_layer_error.py --runs runs/per_layer --out docs/results
 """
 
 from __future__ import annotations

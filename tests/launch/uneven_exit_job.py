@@ -1,12 +1,11 @@
-"""One rank steps once more than the others, then every rank exits (issue 23, item 7).
+"""One rank steps once more than the others, then every rank exits (tests/launch/test_faults.py).
 
-The review saw one of three such runs hang until a timeout. Run it many times
-(commands in docs/reliability.md): every run must end at once, the extra
-step raising Horovod's "Horovod has been shut down" as plain Horovod does.
-A run still there after 45 s dumps every thread's stack (faulthandler) and
-exits.
+Each rank prints one line: "rank R done" when its steps all ended, or "rank R raised
+NAME after S s: MESSAGE" when one raised (the extra step, whose partner has exited).
+A run still there after 45 s dumps every thread's stack (faulthandler) and exits 1.
 
-    mpirun -np 2 python scripts/uneven_exit.py --extra-rank 1 --optimizer powersgd
+    mpirun -np 2 python tests/launch/uneven_exit_job.py --extra-rank 1 --small-buckets
+    horovodrun -np 2 -H localhost:2 --gloo python tests/launch/uneven_exit_job.py --rounds 1
 """
 
 import argparse
@@ -19,7 +18,7 @@ import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "parallel"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "parallel"))
 from helpers import batch, make_model
 
 import horovod_powersgd as hps
