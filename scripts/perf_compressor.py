@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from horovod_powersgd.bench.models import MODELS
-from horovod_powersgd.compressor import PowerSGDCompressor
+from horovod_powersgd.compressor import PowerSGDCompressor, local_step
 from horovod_powersgd.config import PowerSGDConfig
 
 PHASES = ("compress", "project", "update_error", "decompress", "total")
@@ -51,6 +51,29 @@ def load_revision(rev: str, tmp: Path):
 
 
 def one_step(c, grads, outs, done: int) -> dict[str, float]:
+    """Seconds of each phase of one worker's step: this tree's compressor through the
+    package's one local-step driver (compressor.local_step, the reducer's order), an
+    older revision's by hand, as that revision's reducer ran it."""
+    if isinstance(c, PowerSGDCompressor):
+        times = {"start": time.perf_counter()}
+        c.begin_step(done=done)  # every bucket's partners at once, as the reducer
+        local_step(c, None, grads, outs, done=done, partners=False, mark=_timer(times))
+        ends = [times["compress"], times.get("project"), times.get("error"), times["decompress"]]
+        ends = [t if t is not None else times["compress"] for t in ends]  # rounds=1
+        starts = [times["start"], *ends[:-1]]
+        spans = [end - start for start, end in zip(starts, ends)]
+        return dict(zip(PHASES, (*spans, times["decompress"] - times["start"])))
+    return _older_step(c, grads, outs, done)
+
+
+def _timer(times: dict):
+    def mark(segment: str) -> None:
+        times[segment] = time.perf_counter()
+
+    return mark
+
+
+def _older_step(c, grads, outs, done: int) -> dict[str, float]:
     t0 = time.perf_counter()
     try:
         c.begin_step(done=done)  # the caller counts the steps

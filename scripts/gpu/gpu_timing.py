@@ -157,6 +157,8 @@ def local_work(model, rank, rounds, clock, warmup, iters, graph=False) -> dict:
     compressor's Python state (step counters) advances only at the capture, which is
     what a replayed step of fixed shapes does too.
     """
+    from horovod_powersgd.compressor import local_step  # internal API, as _compressor's
+
     compressor, order, monitor = _compressor(model, rank, rounds)
     grads = {
         n: p.grad.detach().float().clone()
@@ -177,17 +179,8 @@ def local_work(model, rank, rounds, clock, warmup, iters, graph=False) -> dict:
         compressor.begin_step(workers=1, done=1)  # a steady-state step: warm memories
         mark("orthogonalise memory")
         for index, layer_names in order:
-            for name in layer_names:
-                compressor.compress(name, grads[name])
-            buffers = compressor.send_buffers(index)  # the "sum" of one worker
-            mark("compress")
-            if rounds == 2:
-                buffers = compressor.project(buffers, index)
-                mark("project")
-                compressor.update_error(index)
-                mark("error")
-            compressor.decompress(buffers, out=out, bucket=index)
-            mark("decompress")
+            # The reducer's segments, nothing sent (the package's one local-step driver).
+            local_step(compressor, index, grads, out, done=1, partners=False, mark=mark)
             if marks is not None:  # the statistics, timed apart from the rest
                 for name in layer_names:
                     monitor.compressed(name, grads[name])
