@@ -12,7 +12,10 @@
   `torch._foreach_norm`). A part another module needs is public on its owner
   (the optimizer's PowerSGD state, state.py, is handed to the tuner and agreement).
 
-    python scripts/check_structure.py
+    python scripts/check_structure.py [--floors]
+
+`--floors` prints each module's floor instead (bench/ as one room): 1 where it
+imports no other module of the package, else one above the highest it imports.
 """
 
 from __future__ import annotations
@@ -145,7 +148,51 @@ def problems() -> list[str]:
     return found
 
 
+def _imports(path: Path, depth: int) -> set[str]:
+    """The package's modules a file at `depth` below the package imports (bench/ by name)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):  # import horovod_powersgd[.x]
+            parts = [a.name.split(".") for a in node.names if a.name.startswith("horovod_powersgd")]
+            found |= {p[1] if len(p) > 1 else "__init__" for p in parts}
+            continue
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level == depth:  # from . import x (depth 1); from .. import x (in bench/)
+            found |= {node.module} if node.module else {a.name for a in node.names}
+        elif node.level == 0 and (node.module or "").startswith("horovod_powersgd"):
+            parts = node.module.split(".")
+            found |= {parts[1]} if len(parts) > 1 else {a.name for a in node.names} | {"__init__"}
+    return {"bench/" if name == "bench" else name.split(".")[0] for name in found}
+
+
+def floors(root: Path = PACKAGE) -> dict[str, int]:
+    """Each module's floor, bench/ as one room: 1 where it imports no other module of the
+    package, else one above the highest it imports (docs/architecture.md draws them)."""
+    imports = {path.stem: _imports(path, 1) for path in root.glob("*.py")}
+    imports["bench/"] = set().union(*(_imports(p, 2) for p in (root / "bench").glob("*.py")))
+    floor: dict[str, int] = {}
+
+    def of(module: str) -> int:
+        if module not in floor:
+            below = [of(m) for m in imports[module] if m in imports and m != module]
+            floor[module] = 1 + max(below, default=0)
+        return floor[module]
+
+    for module in imports:
+        of(module)
+    return floor
+
+
 def main() -> int:
+    if sys.argv[1:] == ["--floors"]:  # the rooms from the top floor down, with their lines
+        for module, number in sorted(floors().items(), key=lambda item: (-item[1], item[0])):
+            path = PACKAGE / (module if module.endswith("/") else f"{module}.py")
+            files = list(path.glob("*.py")) if path.is_dir() else [path]
+            print(
+                f"floor {number}  {module}  {sum(len(f.read_text().splitlines()) for f in files)}"
+            )
+        return 0
     found = problems()
     for line in found:
         print(line)

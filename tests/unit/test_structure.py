@@ -48,3 +48,17 @@ def test_no_module_reaches_into_another_modules_private_members(tmp_path):
         "horovod_powersgd/tuner.py:9",
     ], found
     assert check_structure.private_reach() == []  # the package itself, today
+
+
+def test_floors_put_each_module_one_above_the_highest_it_imports(tmp_path):
+    package = tmp_path / "horovod_powersgd"
+    (package / "bench").mkdir(parents=True)
+    (package / "a.py").write_text("import torch\n")
+    (package / "b.py").write_text("from .a import x\n")
+    (package / "c.py").write_text("from . import b\nfrom .a import y\n")
+    (package / "__init__.py").write_text("from .b import z\n")
+    (package / "bench" / "run.py").write_text(
+        "import horovod_powersgd as hps\nfrom ..c import w\nfrom . import other\n"
+    )
+    floors = check_structure.floors(package)
+    assert floors == {"a": 1, "b": 2, "c": 3, "__init__": 3, "bench/": 4}, floors
