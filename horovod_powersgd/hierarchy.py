@@ -12,6 +12,10 @@ compressed step travels in four stages (docs/hierarchical.md):
     4 all-gather          the node            the decompressed shares, so every   in the node
                                               worker steps on the same gradient
 
+A bucket's place in a step is its `NodeBucket.stage`: a `Stage`, WAITING, then
+NODE_REDUCE, P_ROUND, Q_ROUND (rounds=2) and NODE_GATHER (stages 1-4) while each
+collective is in flight, DONE once `p.grad` holds the aggregate.
+
 A share is about 1/L of each bucket's tensors, balanced by size (largest first
 to the least loaded local rank), the same on every node. Local rank j holds the
 error buffers and memories of its share only: error feedback on the node's
@@ -20,11 +24,13 @@ ride with its P, exactly. Warm-up steps are plain Horovod over all ranks.
 
 `decide` turns the setting into a `Hierarchy` (or None: flat), one decision for
 all ranks from one all-gather of what Horovod says of each rank's node.
-`HierarchicalReducer` is the reducer's variant for it, chosen at construction.
+`HierarchicalReducer` is the reducer's variant for it, chosen at construction;
+its buckets are `NodeBucket`s, which hold their node layout and their `Stage`.
 """
 
 from __future__ import annotations
 
+import enum
 import warnings
 
 import torch
@@ -199,12 +205,47 @@ class _Pack:
         return out
 
 
+class Stage(enum.IntEnum):
+    """Where a bucket of a compressed step is: 1-4 are the stages of the module
+    docstring, each while its collective is in flight."""
+
+    WAITING = 0  # its gradients are not all final yet (and in warm-up steps)
+    NODE_REDUCE = 1  # the node's reduce-scatter (or all-reduce, reduced whole)
+    P_ROUND = 2  # P (rounds=1: the factor) and the share's uncompressed, between nodes
+    Q_ROUND = 3  # Q between nodes (rounds=2)
+    NODE_GATHER = 4  # the node's all-gather (or sum, reduced whole)
+    DONE = 5  # every p.grad holds the bucket's aggregate
+
+
+IN_FLIGHT = (Stage.NODE_REDUCE, Stage.P_ROUND, Stage.Q_ROUND, Stage.NODE_GATHER)
+
+
+class NodeBucket(Bucket):
+    """A bucket of the hierarchical reducer: the flat one's fields, its layout in the
+    node (`HierarchicalReducer._layout`), and how far it is in a compressed step."""
+
+    def __init__(self, index: int, params: list[torch.Tensor]):
+        self.packs: list[_Pack] = []  # one per dtype of its dense tensors
+        self.scattered = False  # reduce-scattered in the node, or reduced whole
+        self.shared_plain: list[torch.Tensor] = []  # this share's uncompressed tensors
+        # Stage 1's result (this worker's row of each pack), and the views of this share's
+        # tensors in it (param -> view): set in stage 2, read in stage 4, let go in 5.
+        self.sections = self.share_views = None
+        super().__init__(index, params)
+
+    def clear(self) -> None:
+        super().clear()
+        self.stage = Stage.WAITING
+
+
 class HierarchicalReducer(Reducer):
     """`Reducer` for hierarchical PowerSGD: a compressed step's buckets take the four
-    stages of the module docstring; warm-up steps are the flat reducer's."""
+    stages of the module docstring (`Stage`); warm-up steps are the flat reducer's
+    (`super()`'s: plain Horovod over all ranks, the same buckets)."""
 
     def __init__(self, buckets, names, compressor, comm, hierarchy: Hierarchy, owner: dict):
         self.hierarchy, self.owner = hierarchy, owner
+        buckets = [NodeBucket(b.index, b.params) for b in buckets]
         super().__init__(buckets, names, compressor, comm)
 
     def refresh(self) -> None:
@@ -224,7 +265,7 @@ class HierarchicalReducer(Reducer):
                 pack.build(b.scattered)
             b.shared_plain = [p for p in b.dense if self.owner[self.names[p]] == me]
             b.shared_plain = [p for p in b.shared_plain if p not in self._compressed]
-            b.stage = 0
+            b.stage = Stage.WAITING
 
     def begin(self, done: int) -> None:
         self.in_step, self.compressing = True, done >= 0
@@ -248,14 +289,14 @@ class HierarchicalReducer(Reducer):
         for bucket in self.sending:
             self._advance(bucket, block=True)
 
-    def _scatter(self, bucket: Bucket) -> None:
+    def _scatter(self, bucket: NodeBucket) -> None:
         """Stage 1: the bucket's gradients, reduce-scattered inside the node."""
         for p in bucket.dense:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         for pack in bucket.packs:
             torch._foreach_copy_(pack.send_views, [p.grad for p in pack.params])
-        bucket.stage = 1
+        bucket.stage = Stage.NODE_REDUCE
         buffers, node = [pack.buffer for pack in bucket.packs], self.hierarchy.node
         if bucket.scattered:
             handle = node.reducescatter_async(buffers, f"b{bucket.index}.rs")
@@ -264,29 +305,26 @@ class HierarchicalReducer(Reducer):
         bucket.handles = [handle]
         self.launched.append(bucket)
 
-    def _advance(self, bucket: Bucket, block: bool) -> None:
+    def _advance(self, bucket: NodeBucket, block: bool) -> None:
         """Take `bucket` through its stages as far as its collectives are back."""
-        while getattr(bucket, "stage", 0) in (1, 2, 3, 4):
+        while bucket.stage in IN_FLIGHT:
             handle = bucket.handles[-1]
             if not block and not self.comm.poll(handle):
                 return
             result = self.comm.wait(handle)
-            if bucket.stage == 1:  # scattered: this worker's (1, longest) row
+            if bucket.stage == Stage.NODE_REDUCE:  # scattered: this worker's (1, longest) row
                 self._compress_share(bucket, [t.view(-1) for t in result])
-            elif bucket.stage == 2 and self.two_rounds and bucket.factor_count:
-                self._send_q(bucket, result, self.hierarchy.cross)
-                bucket.stage = 3
-            elif bucket.stage in (2, 3):
-                if bucket.stage == 2:  # one round: the factors lead, the uncompressed follow
-                    bucket.received, result = (
-                        result[bucket.factor_count :],
-                        result[: bucket.factor_count],
-                    )
+            elif bucket.stage == Stage.P_ROUND and self.two_rounds and bucket.factor_count:
+                self._send_q(bucket, result)
+            elif bucket.stage in (Stage.P_ROUND, Stage.Q_ROUND):
+                if bucket.stage == Stage.P_ROUND:  # one round: the factors lead, then the rest
+                    bucket.received = result[bucket.factor_count :]
+                    result = result[: bucket.factor_count]
                 self._gather(bucket, result)
             else:
                 self._unpack(bucket, result)
 
-    def _compress_share(self, bucket: Bucket, sections: list[torch.Tensor]) -> None:
+    def _compress_share(self, bucket: NodeBucket, sections: list[torch.Tensor]) -> None:
         """Stage 2: compress this worker's share of the node's average and send P (or the
         rounds=1 factor) with the share's uncompressed tensors to its peers."""
         bucket.sections = sections
@@ -310,9 +348,19 @@ class HierarchicalReducer(Reducer):
             bucket.received = []
             return self._gather(bucket, [])
         bucket.handles.append(cross.allreduce_async(tensors, f"b{bucket.index}.r1"))
-        bucket.stage = 2
+        bucket.stage = Stage.P_ROUND
 
-    def _gather(self, bucket: Bucket, factors) -> None:
+    def _send_q(self, bucket: NodeBucket, outputs) -> None:
+        """Stage 3 (rounds=2): `outputs` are the share's summed P factors, then its
+        uncompressed tensors. Q = Mᵀ·orth(P) leaves for the peers; then the error."""
+        bucket.received = outputs[bucket.factor_count :]  # into the share in stage 4
+        q_buffers = self.compressor.project(outputs[: bucket.factor_count], bucket.index)
+        cross = self.hierarchy.cross
+        bucket.handles.append(cross.allreduce_async(q_buffers, f"b{bucket.index}.r2"))
+        self.compressor.update_error(bucket.index)
+        bucket.stage = Stage.Q_ROUND
+
+    def _gather(self, bucket: NodeBucket, factors) -> None:
         """Stage 4: the share's aggregate into its section; the sections all-gathered."""
         for (p, _, ctx), out in zip(bucket.sent, bucket.received):
             out = self.hierarchy.cross.from_wire(out, ctx)
@@ -331,17 +379,12 @@ class HierarchicalReducer(Reducer):
             sections = [s.mul_(pack.mask) for s, pack in zip(bucket.sections, bucket.packs)]
             handle = node.sum_async(sections, f"b{bucket.index}.sum")
         bucket.handles.append(handle)
-        bucket.stage = 4
+        bucket.stage = Stage.NODE_GATHER
 
-    def _unpack(self, bucket: Bucket, gathered) -> None:
+    def _unpack(self, bucket: NodeBucket, gathered) -> None:
         """Every worker's `p.grad` := the bucket's aggregate, from the gathered sections."""
         for pack, rows in zip(bucket.packs, gathered):
             pairs = pack.views(rows)
             torch._foreach_copy_([p.grad for p, _ in pairs], [v for _, v in pairs])
-        bucket.stage = 5
+        bucket.stage = Stage.DONE
         bucket.sections = bucket.share_views = None
-
-    def reset(self) -> None:
-        super().reset()
-        for bucket in self.buckets:
-            bucket.stage = 0

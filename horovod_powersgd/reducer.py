@@ -205,15 +205,6 @@ class Reducer:
         bucket.handles = [self.comm.allreduce_async(tensors, f"b{bucket.index}.r1")]
         self.launched.append(bucket)
 
-    def _send_q(self, bucket: Bucket, outputs, comm) -> None:
-        """`outputs`: the bucket's summed P factors, then its uncompressed tensors. Send
-        Q on `comm` (hierarchical PowerSGD: across the nodes), then update the error."""
-        # The uncompressed results go into p.grad in finish(), as Horovod's do.
-        bucket.received = outputs[bucket.factor_count :]
-        q_buffers = self.compressor.project(outputs[: bucket.factor_count], bucket.index)
-        bucket.handles.append(comm.allreduce_async(q_buffers, f"b{bucket.index}.r2"))
-        self.compressor.update_error(bucket.index)
-
     def _receive_uncompressed(self, bucket: Bucket, outputs) -> None:
         """Write the bucket's aggregated uncompressed gradients into `p.grad`.
 

@@ -154,3 +154,22 @@ def test_the_fashion_mnist_example_trains_hierarchically_on_two_nodes(python, tm
     assert epoch["steps"] == 3 and record["world_size"] == 4
     assert epoch["test_loss"] == epoch["test_loss"]  # finite, not NaN
     assert "Traceback" not in out and "Warning" not in out, out[-3000:]
+
+
+# The hierarchical step's path, the longest rank's (scripts/step_path.py): `make lint` counts
+# the flat and settled-auto steps in one process; this one needs nodes of several workers.
+# Measured 367 lines (rounds=2) and 364 (rounds=1); docs/architecture.md, "One step".
+HIERARCHICAL_STEP_LINES = 375
+
+
+@pytest.mark.timeout(300)
+def test_the_hierarchical_steps_path_stays_within_its_budget(python):
+    code, out, _ = launch(
+        ["bash", str(ROOT / "scripts/two_nodes.sh"), "--rate", "none", "--timeout", "200",
+         "--", python, str(ROOT / "scripts/step_path.py"), "--hierarchical", "--rounds", "2", "1",
+         "--max-lines", str(HIERARCHICAL_STEP_LINES)],
+        timeout=260,
+    )  # fmt: skip
+    assert code == 0, out[-3000:]
+    counted = [line for line in out.splitlines() if " hierarchical (rank " in line]
+    assert len(counted) == 2, out[-3000:]  # both schedules, each the longest of 4 ranks
