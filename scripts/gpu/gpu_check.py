@@ -16,7 +16,7 @@ time is reported as such and the others still report:
             torch's powerSGD_hook (needs no Horovod)
   contract  the user contract of tests/parallel (CONTRACT) under horovodrun, with
             `--device cuda` where there is a GPU: 1 rank (NCCL), 2 ranks (Gloo; MPI)
-  syncs     gpu_syncs.py probe under horovodrun (1 rank), and on CUDA
+  syncs     gpu_syncs.py under horovodrun (1 rank), and on CUDA
             tests/parallel/test_host_syncs.py on CUDA tensors
   e2e       gpu_timing.py e2e under horovodrun: whole steps, 1 rank; then auto's profile
 
@@ -491,7 +491,7 @@ class Kit:
             self.set_phase("syncs", "failed", note="no Horovod build with NCCL to run on")
         elif syncs:
             path = os.path.join(self.work, "syncs.json")
-            cmd = self.horovodrun(one, 1, os.path.join(KIT, "gpu_syncs.py"), "probe",
+            cmd = self.horovodrun(one, 1, os.path.join(KIT, "gpu_syncs.py"),
                                   "--json", path, "--size", self.size)  # fmt: skip
             jobs.append(self.job("syncs", "probe", cmd, label="probe", path=path))
             if cuda:  # its CUDA cases (the CPU ones ran where the kit was made)
