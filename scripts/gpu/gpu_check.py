@@ -397,12 +397,18 @@ class Kit:
             try:
                 venv = make_venv(self.work, variant, self.report["probe"])
                 env = build_env(self, variant, self.report["probe"], venv)
-            except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+            except (OSError, RuntimeError) as exc:
                 variants[variant] = {"status": "failed", "note": f"preparing it: {exc}"}
                 continue
+            # cffi from the bundle (Horovod's setup.py asks for it; the image lacks it), then
             # bootstrap.sh, then what the build holds: the log's last line.
-            build = f'nice -n 19 bash scripts/bootstrap.sh && "{venv}/bin/python" -c "$0"'
-            cmd = ["bash", "-c", build, BUILT]
+            python = os.path.join(venv, "bin", "python")
+            steps = [
+                f'"{python}" -m pip install -q cffi pycparser',
+                "nice -n 19 bash scripts/bootstrap.sh",
+                f'"{python}" -c "$0"',
+            ]
+            cmd = ["bash", "-c", " && ".join(steps), BUILT]
             jobs.append(self.job("build", variant, cmd, env, venv=venv, variant=variant))
         self.write()
         for job in wait_all(jobs, self.budget("build")):
@@ -534,27 +540,6 @@ def make_venv(work, variant, info) -> str:
     # setup.py: here the project comes from PYTHONPATH, and nothing can be fetched.
     with open(os.path.join(venv, ".project-installed"), "w"):
         pass
-    # Horovod's setup.py asks for cffi at build time; the image lacks it.
-    installed = subprocess.run(
-        [
-            os.path.join(venv, "bin", "python"),
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-index",
-            "--find-links",
-            BUNDLE,
-            "--disable-pip-version-check",
-            "cffi",
-            "pycparser",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if installed.returncode != 0:
-        raise RuntimeError("pip install cffi from the bundle: " + installed.stderr[-800:])
     return venv
 
 
