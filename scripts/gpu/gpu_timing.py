@@ -1,34 +1,27 @@
-"""What PowerSGD's local work costs next to a step's forward and backward pass.
+"""What PowerSGD's local work costs next to a step's forward and backward pass (the GPU kit's
+timing and e2e phases; models from horovod_powersgd/bench/models.py).
 
-    python scripts/gpu/gpu_timing.py local --json t.json --size full      # no Horovod needed
+    python scripts/gpu/gpu_timing.py local --json t.json --size full    # no Horovod needed
     horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu/gpu_timing.py e2e --json e.json
     horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu/gpu_timing.py profile --json p.json
 
-``local``, per model (horovod_powersgd/bench/models.py) and precision (float32, bfloat16 autocast):
+``local``, per model, in float32 and under bfloat16 autocast: forward+backward alone;
+PowerSGD's local work for one worker at each rank, both schedules and both
+orthogonalisations, through compressor.local_step (the reducer's segments: M = g + e and
+P = M·Q̂, orthogonalise P and Q = Mᵀ·P̂, e = M − P̂·Qᵀ, P̂·Qᵀ) after begin_step
+(orthogonalise the memory), with the per-layer norms the statistics take every step
+timed apart; its gradients are float32 either way, so it is timed once, on the float32
+pass's; torch's ``powerSGD_hook`` on a 1-rank DDP (NCCL; Gloo on the CPU), its cost over
+DDP's own all-reduce (its default, and ``batch_tensors_with_same_shape=True``); last, on
+CUDA, the local work at rank 4 as one CUDA graph.
 
-* forward+backward of the model alone;
-* PowerSGD's local work at each rank, both schedules: the compressor driven the
-  way DistributedOptimizer drives it (its buckets, in backward order) for one
-  worker, so each "sum" is the buffer itself: orthogonalise the memory
-  (begin_step), M = g + e and P = M·Q̂ (compress), orthogonalise P and Q = Mᵀ·P̂
-  (project), e = M − P̂·Qᵀ (error), P̂·Qᵀ (decompress), and the per-layer norms the
-  statistics take every step (``layer_stats=True``, the default). Gradients are
-  float32 either way (bfloat16 autocast keeps float32 parameters), so this is
-  measured once per model, on the float32 pass's gradients;
-* torch's ``powerSGD_hook`` on a 1-rank DDP (NCCL; Gloo on the CPU): forward+backward
-  with DDP's own all-reduce and with the hook at each rank (its default, and with
-  ``batch_tensors_with_same_shape=True``); the hook's cost is the difference.
+``e2e`` (1 rank): whole steps of ``hvd.DistributedOptimizer`` against
+``horovod_powersgd.DistributedOptimizer``. ``profile`` (1 rank): a ``rank="auto"`` job of
+each model (ResNet-50 fp32, GPT-2 bf16) until auto writes its profile
+(``HOROVOD_POWERSGD_PROFILE``, for ``python -m horovod_powersgd.bench.scale``, docs/scale.md).
 
-``e2e`` (under horovodrun, 1 rank): whole steps of ``hvd.DistributedOptimizer``
-against ``horovod_powersgd.DistributedOptimizer``, Horovod's collectives included.
-
-``profile`` (under horovodrun, 1 rank): a ``rank="auto"`` job of each model in one
-precision (ResNet-50 fp32, GPT-2 bf16 autocast), run until auto has measured and
-written its profile (``HOROVOD_POWERSGD_PROFILE``): the device's own profile for
-``python -m horovod_powersgd.bench.scale`` (docs/scale.md), kept in the JSON.
-
-On CUDA, times come from CUDA events around the work, after warm-up iterations;
-on the CPU from the wall clock. Each number is the median of the timed iterations.
+Times: CUDA events on CUDA (whole steps: the wall clock, waited for), else the wall
+clock; the median of the timed iterations after warm-up.
 """
 
 from __future__ import annotations
@@ -51,16 +44,19 @@ from horovod_powersgd.bench import models
 
 MODELS = ("resnet50", "gpt2")
 PRECISIONS = ("fp32", "bf16")
+RANKS = (4, 16, 32)  # the local work's; whole steps and the graph at the first
 # Per size: warm-up and timed iterations. Torch's hook compresses from its 3rd call
 # (start_powerSGD_iter=2, the least it allows with error feedback), so warm-up >= 4.
 ITERATIONS = {"full": (5, 10), "tiny": (4, 3)}
 
 
 class Clock:
-    """Marks on the device's timeline: CUDA events, or the wall clock on the CPU."""
+    """Marks on the device's timeline: CUDA events, or the wall clock on the CPU; and
+    the warm-up and timed iterations of a measurement at `size`."""
 
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+    def __init__(self, device: torch.device, size: str):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.warmup, self.iters = ITERATIONS[size]
 
     def mark(self):
         if self.cuda:
@@ -70,13 +66,23 @@ class Clock:
         return time.perf_counter()
 
     def ms(self, start, end) -> float:
-        if self.cuda:
-            return start.elapsed_time(end)
-        return (end - start) * 1000.0
+        return start.elapsed_time(end) if self.cuda else (end - start) * 1000.0
 
     def wait(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
+
+    def median_ms(self, run) -> float:
+        """Median ms of `run()` on the device's timeline, after the warm-up calls."""
+        times = []
+        for i in range(self.warmup + self.iters):
+            start = self.mark()
+            run()
+            end = self.mark()
+            self.wait()
+            if i >= self.warmup:
+                times.append(self.ms(start, end))
+        return float(statistics.median(times))
 
 
 def autocast(device: torch.device, precision: str):
@@ -85,32 +91,23 @@ def autocast(device: torch.device, precision: str):
     return contextlib.nullcontext()
 
 
-def median(values) -> float:
-    return float(statistics.median(values))
-
-
-def forward_backward(workload, device, precision, clock, warmup, iters, model=None) -> float:
+def forward_backward(workload, precision, clock, model=None) -> float:
     """Median ms of forward+backward (the loss under autocast, backward outside it)."""
     model = workload.model if model is None else model
-    g = torch.Generator().manual_seed(0)
-    batch = workload.batch(g)
-    times = []
-    for i in range(warmup + iters):
+    batch = workload.batch(torch.Generator().manual_seed(0))
+
+    def run():
         model.zero_grad(set_to_none=False)
-        start = clock.mark()
-        with autocast(device, precision):
+        with autocast(clock.device, precision):
             loss = workload.loss(model, batch)
         loss.backward()
-        end = clock.mark()
-        clock.wait()
-        if i >= warmup:
-            times.append(clock.ms(start, end))
-    return median(times)
+
+    return clock.median_ms(run)
 
 
 # --- PowerSGD's local work ------------------------------------------------------------------
 def _compressor(model, rank: int, rounds: int):
-    """The compressor and bucket order DistributedOptimizer would build for `model`.
+    """The compressor, buckets and monitor DistributedOptimizer would build for `model`.
 
     Internal API (horovod_powersgd.compressor/reducer/monitor): if it changes, this
     measurement reports the error and the kit goes on.
@@ -120,23 +117,14 @@ def _compressor(model, rank: int, rounds: int):
     from horovod_powersgd.monitor import LayerMonitor
     from horovod_powersgd.reducer import make_buckets
 
-    params = [p for p in model.parameters() if p.requires_grad]
     names = {p: n for n, p in model.named_parameters()}
+    params = [p for p in model.parameters() if p.requires_grad]
     buckets = make_buckets(params)
     bucket_of = {names[p]: b.index for b in buckets for p in b.params}
     config = PowerSGDConfig(rank=rank, rounds=rounds)
     compressor = PowerSGDCompressor([(names[p], p) for p in params], config, bucket_of=bucket_of)
-    order = [
-        (b.index, [names[p] for p in b.params if compressor.is_compressed(names[p])])
-        for b in buckets
-    ]
-    order = [(index, layer_names) for index, layer_names in order if layer_names]
     monitor = LayerMonitor(compressor, lambda t, name: t, workers=1, reporter=False)
-    return compressor, order, monitor
-
-
-def _method_key(method: str) -> str:
-    return "" if method == "householder" else f", {method}"
+    return compressor, [b.index for b in buckets], monitor
 
 
 @contextlib.contextmanager
@@ -149,17 +137,17 @@ def _method(method: str):
         linalg.METHOD = linalg.parse_method(None)
 
 
-def local_work(model, rank, rounds, clock, warmup, iters, graph=False) -> dict:
+def local_work(model, rank, rounds, clock, graph=False) -> dict:
     """Median ms of one worker's PowerSGD step on the model's current gradients.
 
-    `graph` (CUDA): the same step captured once as a CUDA graph and replayed (what
-    issue 57's item 3 would gain; the library does not capture graphs itself). The
-    compressor's Python state (step counters) advances only at the capture, which is
-    what a replayed step of fixed shapes does too.
+    `graph` (CUDA): the same step captured once as a CUDA graph and replayed (the
+    library does not capture graphs itself). The compressor's Python state (step
+    counters) advances only at the capture, which is what a replayed step of fixed
+    shapes does too.
     """
     from horovod_powersgd.compressor import local_step  # internal API, as _compressor's
 
-    compressor, order, monitor = _compressor(model, rank, rounds)
+    compressor, buckets, monitor = _compressor(model, rank, rounds)
     grads = {
         n: p.grad.detach().float().clone()
         for n, p in model.named_parameters()
@@ -178,66 +166,48 @@ def local_work(model, rank, rounds, clock, warmup, iters, graph=False) -> dict:
         mark("start")
         compressor.begin_step(workers=1, done=1)  # a steady-state step: warm memories
         mark("orthogonalise memory")
-        for index, layer_names in order:
+        for index in buckets:
             # The reducer's segments, nothing sent (the package's one local-step driver).
-            local_step(compressor, index, grads, out, done=1, partners=False, mark=mark)
-            if marks is not None:  # the statistics, timed apart from the rest
-                for name in layer_names:
+            names = local_step(compressor, index, grads, out, done=1, partners=False, mark=mark)
+            if marks is not None and names:  # the statistics, timed apart from the rest
+                for name in names:
                     monitor.compressed(name, grads[name])
                 mark("statistics")
         if marks is not None:
             monitor.end_step(1, True, dict)  # step 1: no periodic check, only the norms
             mark("statistics")
 
-    totals = _medians_of(lambda: one_step(None), clock, warmup, iters)
+    totals = clock.median_ms(lambda: one_step(None))
     if graph:
-        generators = list(compressor._generators.values())
-        return {
-            "eager_ms": totals,
-            "graph_ms": _graphed(one_step, clock, warmup, iters, generators),
-        }
-    breakdown = {phase: [] for phase in phases}
+        graphed = _graphed(one_step, list(compressor._generators.values()))
+        return {"eager_ms": totals, "graph_ms": clock.median_ms(graphed.replay)}
     # A second pass with a mark between phases (the marks themselves cost a little,
     # so the total above comes from a pass without them).
-    for i in range(warmup + iters):
+    breakdown = {phase: [] for phase in phases}
+    for i in range(clock.warmup + clock.iters):
         marks = []
         one_step(marks)
         clock.wait()
-        if i >= warmup:
-            spent = dict.fromkeys(phases, 0.0)
-            for (_, before), (phase, after) in zip(marks, marks[1:]):
-                spent[phase] += clock.ms(before, after)
-            for phase in phases:
-                breakdown[phase].append(spent[phase])
+        spent = dict.fromkeys(phases, 0.0)
+        for (_, before), (phase, after) in zip(marks, marks[1:]):
+            spent[phase] += clock.ms(before, after)
+        for phase in phases if i >= clock.warmup else ():
+            breakdown[phase].append(spent[phase])
     p, q = compressor.elements_per_step()
-    result = {
+    phases_ms = {phase: float(statistics.median(v)) for phase, v in breakdown.items()}
+    return {
         "ms": totals,
-        "phases_ms": {phase: median(v) for phase, v in breakdown.items()},
+        "with_statistics_ms": totals + phases_ms["statistics"],
+        "phases_ms": phases_ms,
         "compressed_tensors": len(grads),
         "elements_compressed": sum(g.numel() for g in grads.values()),
         "elements_sent": p + q if rounds == 2 else None,
-        "buckets": len(order),
+        "buckets": sum(1 for index in buckets if compressor.of(index)),
     }
-    result["with_statistics_ms"] = result["ms"] + result["phases_ms"]["statistics"]
-    return result
 
 
-def _medians_of(run, clock, warmup, iters) -> float:
-    """Median ms of `run()` on the device's timeline, after `warmup` untimed calls."""
-    times = []
-    for i in range(warmup + iters):
-        start = clock.mark()
-        run()
-        end = clock.mark()
-        clock.wait()
-        if i >= warmup:
-            times.append(clock.ms(start, end))
-    return median(times)
-
-
-def _graphed(one_step, clock, warmup, iters, generators) -> float:
-    """Median ms of `one_step(None)` captured once as a CUDA graph and replayed (warm-up on a
-    side stream).
+def _graphed(one_step, generators):
+    """`one_step(None)` captured once as a CUDA graph (warm-up on a side stream).
 
     The compressor's generators (its random draws) are registered with the graph:
     a CUDA generator of one's own may not advance in a capture otherwise.
@@ -253,7 +223,7 @@ def _graphed(one_step, clock, warmup, iters, generators) -> float:
         graph.register_generator_state(generator)
     with torch.cuda.graph(graph):
         one_step(None)
-    return _medians_of(graph.replay, clock, warmup, iters)
+    return graph
 
 
 # --- torch's powerSGD_hook on a 1-rank DDP ---------------------------------------------------
@@ -262,33 +232,28 @@ def one_rank_process_group(device):
     import torch.distributed as dist
 
     with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo",
-            init_method=f"file://{tmp}/store",
-            rank=0,
-            world_size=1,
-        )
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=0, world_size=1)
         try:
             yield
         finally:
             dist.destroy_process_group()
 
 
-def ddp_times(name, size, device, clock, warmup, iters, rank=None, batched=False) -> dict:
+def ddp_times(name, size, clock, rank=None, batched=False) -> dict:
     """Median ms of forward+backward through DDP per precision: plain, or with the hook."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hook
     from torch.nn.parallel import DistributedDataParallel
 
-    workload = models.workload(name, size, device)
-    cuda = device.type == "cuda"
+    workload = models.workload(name, size, clock.device)
     # On Gloo the hook's P and Q all-reduces of several buckets can deadlock, even on one
     # rank (seen here: two callbacks each waiting in its own all-reduce); one bucket, as
     # horovod_powersgd/bench does. Over NCCL, DDP's own buckets.
     one_bucket_mb = 4 * sum(p.numel() for p in workload.model.parameters()) / 2**20 + 1
     ddp = DistributedDataParallel(
         workload.model,
-        device_ids=[device.index or 0] if cuda else None,
-        bucket_cap_mb=None if cuda else one_bucket_mb,
+        device_ids=[clock.device.index or 0] if clock.cuda else None,
+        bucket_cap_mb=None if clock.cuda else one_bucket_mb,
     )
     if rank is not None:
         state = hook.PowerSGDState(
@@ -303,76 +268,68 @@ def ddp_times(name, size, device, clock, warmup, iters, rank=None, batched=False
             batch_tensors_with_same_shape=batched,
         )
         ddp.register_comm_hook(state, hook.powerSGD_hook)
-    out = {}
-    for precision in PRECISIONS:
-        out[precision] = forward_backward(
-            workload, device, precision, clock, warmup, iters, model=ddp
-        )
-    del ddp, workload
-    return out
+    return {
+        precision: forward_backward(workload, precision, clock, model=ddp)
+        for precision in PRECISIONS
+    }
+
+
+def _guarded(errors: dict, key: str, measure, *args):
+    """`measure(*args)`, or None with its traceback in `errors[key]`: a failure costs one
+    number, not the others'."""
+    try:
+        return measure(*args)
+    except Exception:
+        errors[key] = traceback.format_exc()[-2000:]
+        return None
+    finally:
+        gc.collect()
 
 
 def run_local(args) -> dict:
-    cuda = torch.cuda.is_available() and args.device != "cpu"
+    cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    clock = Clock(device)
-    warmup, iters = ITERATIONS[args.size]
-    ranks = [int(r) for r in args.ranks.split(",")]
+    clock = Clock(device, args.size)
     result = {
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "size": args.size,
-        "warmup": warmup,
-        "iterations": iters,
+        "warmup": clock.warmup,
+        "iterations": clock.iters,
         "clock": "CUDA events" if cuda else "wall clock",
         "matmul_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
         "cudnn_tf32": bool(torch.backends.cudnn.allow_tf32),
         "models": {},
     }
-    for name in args.models.split(","):
+    for name in MODELS:
         started = time.perf_counter()
-        entry = result["models"].setdefault(name, {"errors": {}})
+        entry = result["models"][name] = {"errors": {}, "local_work": {}, "hook": {}}
         try:
             workload = models.workload(name, args.size, device)
             entry["description"] = workload.description
             entry["forward_backward_ms"] = {
-                precision: forward_backward(workload, device, precision, clock, warmup, iters)
+                precision: forward_backward(workload, precision, clock)
                 for precision in reversed(PRECISIONS)  # float32 last: its gradients stay
             }
-            entry["local_work"] = {}
             # Both orthogonalisations (linalg.METHODS): which is faster on CUDA is
             # what this run decides; CholeskyQR's rows have ", cholesky" in their key.
-            for method, rounds, rank in itertools.product(linalg.METHODS, (2, 1), ranks):
+            for method, rounds, rank in itertools.product(linalg.METHODS, (2, 1), RANKS):
                 key = f"rank {rank}, rounds={rounds}" + _method_key(method)
-                try:
-                    with _method(method):
-                        entry["local_work"][key] = {"rank": rank, "rounds": rounds} | (
-                            local_work(workload.model, rank, rounds, clock, warmup, iters)
-                        )
-                except Exception:
-                    entry["errors"][key] = traceback.format_exc()[-2000:]
-            with one_rank_process_group(device):
-                entry["ddp_ms"] = ddp_times(name, args.size, device, clock, warmup, iters)
-                entry["hook"] = {}
-                for batched in (False, True):
-                    for rank in ranks:
-                        key = f"rank {rank}{', batched' if batched else ''}"
-                        try:
-                            times = ddp_times(
-                                name, args.size, device, clock, warmup, iters, rank, batched
-                            )
-                            entry["hook"][key] = {
-                                "rank": rank,
-                                "batch_tensors_with_same_shape": batched,
-                                "ddp_ms": times,
-                                "overhead_ms": {
-                                    p: times[p] - entry["ddp_ms"][p] for p in PRECISIONS
-                                },
-                            }
-                        except Exception:
-                            entry["errors"][f"hook {key}"] = traceback.format_exc()[-2000:]
-                        gc.collect()
+                with _method(method):
+                    work = _guarded(
+                        entry["errors"], key, local_work, workload.model, rank, rounds, clock
+                    )
+                if work:
+                    entry["local_work"][key] = {"rank": rank, "rounds": rounds, **work}
             del workload
-            gc.collect()
+            with one_rank_process_group(device):
+                entry["ddp_ms"] = ddp_times(name, args.size, clock)
+                for batched, rank in itertools.product((False, True), RANKS):
+                    key = f"rank {rank}{', batched' if batched else ''}"
+                    hook = (name, args.size, clock, rank, batched)
+                    times = _guarded(entry["errors"], f"hook {key}", ddp_times, *hook)
+                    if times:  # the hook's cost: over DDP's own all-reduce
+                        overhead = {p: times[p] - entry["ddp_ms"][p] for p in PRECISIONS}
+                        entry["hook"][key] = {"ddp_ms": times, "overhead_ms": overhead}
         except Exception:
             entry["errors"]["model"] = traceback.format_exc()[-3000:]
         entry["seconds"] = time.perf_counter() - started
@@ -380,46 +337,67 @@ def run_local(args) -> dict:
             entry["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        _write(args.json, result)  # after each model: a later failure keeps this one
+        write_json(args.json, result)  # after each model: a later failure keeps this one
     if cuda:  # last, every model: a capture that fails must not disturb the numbers above
-        for name in args.models.split(","):
+        for name, method, rounds in itertools.product(MODELS, linalg.METHODS, (2, 1)):
             entry = result["models"][name]
-            entry["graphed"] = {}
-            for method, rounds in itertools.product(linalg.METHODS, (2, 1)):
-                key = f"rank {ranks[0]}, rounds={rounds}" + _method_key(method)
-                try:
-                    workload = models.workload(name, args.size, device)
-                    forward_backward(workload, device, "fp32", clock, 1, 1)  # its gradients
-                    with _method(method):
-                        entry["graphed"][key] = local_work(
-                            workload.model, ranks[0], rounds, clock, warmup, iters, graph=True
-                        )
-                except Exception:
-                    entry["errors"][f"graphed {key}"] = traceback.format_exc()[-2000:]
-                workload = None
-                gc.collect()
-                torch.cuda.empty_cache()
-            _write(args.json, result)
+            key = f"rank {RANKS[0]}, rounds={rounds}" + _method_key(method)
+            graph = (name, args.size, method, rounds, clock)
+            work = _guarded(entry["errors"], f"graphed {key}", _graphed_work, *graph)
+            if work:
+                entry.setdefault("graphed", {})[key] = work
+            torch.cuda.empty_cache()
+            write_json(args.json, result)
     return result
 
 
+def _graphed_work(name, size, method, rounds, clock) -> dict:
+    """The local work at the first rank of a fresh model, eager and as one CUDA graph."""
+    workload = models.workload(name, size, clock.device)
+    workload.loss(workload.model, workload.batch(torch.Generator().manual_seed(0))).backward()
+    with _method(method):
+        return local_work(workload.model, RANKS[0], rounds, clock, graph=True)
+
+
+def _method_key(method: str) -> str:
+    return "" if method == "householder" else f", {method}"
+
+
 # --- whole steps through Horovod ------------------------------------------------------------
-def _horovod_device(hvd, args) -> tuple[torch.device, bool]:
+def horovod_device(hvd) -> torch.device:
     """hvd.init(), and this rank's device: its GPU (local rank) if any, else the CPU."""
     hvd.init()
-    cuda = torch.cuda.is_available() and args.device != "cpu"
-    if cuda:
-        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    return device, cuda
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
 
 
-def _timed_step(opt, workload, model, batch, device, precision, clock) -> float:
+def _training(name, size, device, rank=None, rounds=2):
+    """(workload, optimizer, batch): Horovod's optimizer (`rank` None), or this library's.
+
+    A fresh model each time: Horovod's optimizer leaves its hooks behind.
+    """
+    import horovod.torch as hvd
+
+    import horovod_powersgd as hps
+
+    workload = models.workload(name, size, device)
+    sgd = torch.optim.SGD(workload.model.parameters(), lr=1e-4, momentum=0.9)
+    named = workload.model.named_parameters()
+    if rank is None:
+        opt = hvd.DistributedOptimizer(sgd, named_parameters=named)
+    else:
+        opt = hps.DistributedOptimizer(sgd, named_parameters=named, rank=rank, rounds=rounds)
+    return workload, opt, workload.batch(torch.Generator().manual_seed(0))
+
+
+def _timed_step(opt, workload, batch, precision, clock) -> float:
     """One training step through `opt`, waited for; its wall-clock ms."""
     start = time.perf_counter()
     opt.zero_grad()
-    with autocast(device, precision):
-        loss = workload.loss(model, batch)
+    with autocast(clock.device, precision):
+        loss = workload.loss(workload.model, batch)
     loss.backward()
     opt.step()
     clock.wait()
@@ -429,49 +407,37 @@ def _timed_step(opt, workload, model, batch, device, precision, clock) -> float:
 def run_e2e(args) -> dict:
     import horovod.torch as hvd
 
-    import horovod_powersgd as hps
-
-    device, cuda = _horovod_device(hvd, args)
-    clock = Clock(device)
-    warmup, iters = ITERATIONS[args.size]
-    ranks = [int(r) for r in args.ranks.split(",")]
-    configs = [("horovod", None, None)] + [
-        (f"powersgd rank {r}, rounds={rounds}", r, rounds) for r in ranks for rounds in (2, 1)
+    clock = Clock(horovod_device(hvd), args.size)
+    rank = RANKS[0]
+    configs = [("horovod", None, 2)] + [
+        (f"powersgd rank {rank}, rounds={rounds}", rank, rounds) for rounds in (2, 1)
     ]
     result = {"ranks": hvd.size(), "nccl_built": bool(hvd.nccl_built()), "models": {}}
-    for name in args.models.split(","):
+    for name, (label, rank, rounds) in itertools.product(MODELS, configs):
         entry = result["models"].setdefault(name, {"step_ms": {}, "errors": {}})
-        for label, rank, rounds in configs:
-            try:
-                # A fresh model each time: Horovod's optimizer leaves its hooks behind.
-                workload = models.workload(name, args.size, device)
-                model = workload.model
-                sgd = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-                if rank is None:
-                    opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
-                else:
-                    opt = hps.DistributedOptimizer(
-                        sgd, named_parameters=model.named_parameters(), rank=rank, rounds=rounds
-                    )
-                batch = workload.batch(torch.Generator().manual_seed(0))
-                entry["description"] = workload.description
-                entry["step_ms"][label] = {}
-                for precision in PRECISIONS:
-                    times = []
-                    for i in range(warmup + iters):
-                        ms = _timed_step(opt, workload, model, batch, device, precision, clock)
-                        if i >= warmup:
-                            times.append(ms)
-                    entry["step_ms"][label][precision] = median(times)
-                del opt, sgd, model, workload
-                gc.collect()
-                if cuda:
-                    torch.cuda.empty_cache()
-            except Exception:
-                entry["errors"][label] = traceback.format_exc()[-2000:]
+        steps = (entry, name, args.size, clock, rank, rounds)
+        times = _guarded(entry["errors"], label, _whole_steps, *steps)
+        if times:
+            entry["step_ms"][label] = times
+        if clock.cuda:
+            torch.cuda.empty_cache()
         if hvd.rank() == 0:
-            _write(args.json, result)
+            write_json(args.json, result)
     return result
+
+
+def _whole_steps(entry, name, size, clock, rank, rounds) -> dict:
+    """Median ms of a whole training step per precision (`rank` None: Horovod's)."""
+    workload, opt, batch = _training(name, size, clock.device, rank, rounds)
+    entry["description"] = workload.description
+    times = {}
+    for precision in PRECISIONS:
+        ms = [
+            _timed_step(opt, workload, batch, precision, clock)
+            for _ in range(clock.warmup + clock.iters)
+        ]
+        times[precision] = float(statistics.median(ms[clock.warmup :]))
+    return times
 
 
 # The precision each model's profile is taken in: what a user of that model trains in.
@@ -483,70 +449,57 @@ def run_profile(args) -> dict:
     """rank="auto" on each model until it writes its profile; the profiles in the JSON."""
     import horovod.torch as hvd
 
-    import horovod_powersgd as hps
     from horovod_powersgd.tuner import PROFILE_VARIABLE
 
-    device, cuda = _horovod_device(hvd, args)
-    clock = Clock(device)
-    result = {"ranks": hvd.size(), "device": str(device), "models": {}}
-    for name in args.models.split(","):
-        precision = PROFILE_PRECISION.get(name, "fp32")
-        entry = result["models"].setdefault(name, {"precision": precision})
-        path = os.path.join(tempfile.mkdtemp(), f"{name}-profile.json")
-        os.environ[PROFILE_VARIABLE] = path
-        try:
-            workload = models.workload(name, args.size, device)
-            model = workload.model
-            sgd = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-            opt = hps.DistributedOptimizer(
-                sgd, named_parameters=model.named_parameters(), rank="auto"
-            )
-            batch = workload.batch(torch.Generator().manual_seed(0))
-            entry["description"] = workload.description
-            times = []
-            for _ in range(PROFILE_MAX_STEPS):
-                times.append(_timed_step(opt, workload, model, batch, device, precision, clock))
-                if os.path.exists(path):
-                    break
-            entry["steps_ms"] = times
-            if os.path.exists(path):
-                with open(path) as f:
-                    entry["profile"] = json.load(f)
-            else:
-                entry["error"] = f"no profile written in {len(times)} steps"
-            del opt, sgd, model, workload
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
-        except Exception:
-            entry["error"] = traceback.format_exc()[-2000:]
-        finally:
-            os.environ.pop(PROFILE_VARIABLE, None)
+    clock = Clock(horovod_device(hvd), args.size)
+    result = {"ranks": hvd.size(), "device": str(clock.device), "models": {}}
+    for name in MODELS:
+        precision = PROFILE_PRECISION[name]
+        entry = result["models"][name] = {"precision": precision}
+        path = os.environ[PROFILE_VARIABLE] = os.path.join(tempfile.mkdtemp(), "profile.json")
+        errors = {}
+        got = _guarded(errors, "error", _profile, entry, name, args.size, clock, path)
+        os.environ.pop(PROFILE_VARIABLE)
+        if got:
+            entry["profile"] = got
+        else:
+            entry["error"] = errors["error"]
+        if clock.cuda:
+            torch.cuda.empty_cache()
         if hvd.rank() == 0:
-            _write(args.json, result)
+            write_json(args.json, result)
     return result
 
 
-def _write(path, result) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+def _profile(entry, name, size, clock, path) -> dict:
+    """Steps of a rank="auto" job until auto writes its profile at `path`; the profile."""
+    workload, opt, batch = _training(name, size, clock.device, rank="auto")
+    entry["description"], times = workload.description, entry.setdefault("steps_ms", [])
+    while len(times) < PROFILE_MAX_STEPS and not os.path.exists(path):
+        times.append(_timed_step(opt, workload, batch, entry["precision"], clock))
+    if not os.path.exists(path):
+        raise RuntimeError(f"no profile written in {len(times)} steps")
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_json(path, result) -> None:
+    """`result` into `path` at once: a run stopped from outside leaves the last whole one."""
+    with open(path + ".tmp", "w") as f:
         json.dump(result, f, indent=1)
-    os.replace(tmp, path)
+    os.replace(path + ".tmp", path)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    for command in ("local", "e2e", "profile"):
-        p = sub.add_parser(command)
-        p.add_argument("--json", required=True)
-        p.add_argument("--size", default="tiny", choices=["tiny", "full"])
-        p.add_argument("--device", default="auto", choices=["auto", "cpu"])
-        p.add_argument("--models", default=",".join(MODELS))
-        p.add_argument("--ranks", default="4,16,32" if command == "local" else "4")
-    args = parser.parse_args(argv)
-    {"local": run_local, "e2e": run_e2e, "profile": run_profile}[args.command](args)
+def main_args(doc: str, commands=()) -> argparse.Namespace:
+    """The arguments of the kit's measuring scripts: where the JSON goes, the models' size."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if commands:
+        parser.add_argument("command", choices=commands)
+    parser.add_argument("--json", required=True, help="where rank 0 writes the result")
+    parser.add_argument("--size", default="tiny", choices=["tiny", "full"])
+    return parser.parse_args()
 
 
 if __name__ == "__main__":
-    main()
+    args = main_args(__doc__, ("local", "e2e", "profile"))
+    {"local": run_local, "e2e": run_e2e, "profile": run_profile}[args.command](args)
