@@ -20,6 +20,10 @@ def launch(cmd, timeout, cwd=ROOT):
         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
+        # This tree's package, also where the venv's editable install is another
+        # checkout's (a git worktree): a job started as `python tests/launch/x_job.py`
+        # would import that one.
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     )
     start = time.monotonic()
     proc = subprocess.Popen(

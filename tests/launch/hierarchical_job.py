@@ -62,14 +62,21 @@ def full_rank_gap(args):
     model = model_of()
     opt = make(model, args, rank=24, min_compression_rate=0)
     gap = 0.0
+    params = list(model.parameters())
     for step in range(6):
         opt.zero_grad()
+        local = [torch.zeros_like(p) for p in params]
         for k in range(args.accumulate):  # backward_passes_per_step: summed in p.grad
             x, y = batch(args.accumulate * step + k)
+            # This rank's own gradient, taken apart (autograd.grad runs no hook): p.grad
+            # is no reference once backward ends, since a gradient that travels as it is
+            # is all-reduced in place from its hook on, as in Horovod (a bucket of one
+            # tensor may be back before backward ends, on some ranks only).
+            for total, grad in zip(local, torch.autograd.grad(loss_of(model, x, y), params)):
+                total.add_(grad)
             loss_of(model, x, y).backward()
-        local = [p.grad.clone() for p in model.parameters()]
         opt.synchronize()
-        for i, (p, g) in enumerate(zip(model.parameters(), local)):
+        for i, (p, g) in enumerate(zip(params, local)):
             avg = hvd.allreduce(g, name=f"ref.{step}.{i}")
             gap = max(gap, ((p.grad - avg).abs().max() / avg.abs().max().clamp_min(1e-12)).item())
         with opt.skip_synchronize():

@@ -165,7 +165,7 @@ HIERARCHICAL_STEP_LINES = 375
 @pytest.mark.timeout(300)
 def test_the_hierarchical_steps_path_stays_within_its_budget(python):
     code, out, _ = launch(
-        ["bash", str(ROOT / "scripts/two_nodes.sh"), "--rate", "none", "--timeout", "200",
+        ["bash", str(ROOT / "scripts/nodes/two_nodes.sh"), "--rate", "none", "--timeout", "200",
          "--", python, str(ROOT / "scripts/step_path.py"), "--hierarchical", "--rounds", "2", "1",
          "--max-lines", str(HIERARCHICAL_STEP_LINES)],
         timeout=260,
