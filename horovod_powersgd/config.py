@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .stepmodel import factor_sizes
+
 # The floating dtypes Horovod 0.28 can all-reduce (CPU and CUDA alike): what P, Q
 # and gradients may travel in. bfloat16 is not among them: bfloat16 gradients
 # travel as float32 copies, and comm_dtype bfloat16 is refused.
@@ -153,17 +155,12 @@ class PowerSGDConfig:
         return min(self.rank if rank is None else rank, n, m)
 
     def compresses(self, shape: torch.Size, rank: int | None = None) -> bool:
-        """Whether a gradient of this shape is sent as P and Q at `rank` (the rate test)."""
-        if len(shape) < 2 or (rank is None and self.auto) or rank == 0:
+        """Whether a gradient of this shape is sent as P and Q at `rank` (the rate test,
+        `stepmodel.factor_sizes`)."""
+        if (rank is None and self.auto) or rank == 0:
             return False
-        n = shape[0]
-        m = 1
-        for d in shape[1:]:
-            m *= d
-        if n == 0 or m == 0:
-            return False
-        r = self.matrix_rank(n, m, rank)
-        return n * m >= self.min_compression_rate * r * (n + m)
+        rank = self.rank if rank is None else rank
+        return factor_sizes(shape, rank, self.min_compression_rate) is not None
 
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
