@@ -200,33 +200,54 @@ class ShareLink:
         return min(collective_s(k, share, c.nodes, hop) for k in ("ring", "tree"))
 
 
+# The one grammar of a rate and a latency: the scale CLI's clusters and bandwidths,
+# rank="auto"'s pinned link (config.parse_link) and the benchmark's cap (bench/netcap.py).
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-_TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+_PER_SECOND = {"s": 1.0, "ms": 1e3, "us": 1e6, "ns": 1e9}
 _NUMBER = r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+# "bit" in any case; bytes only as "B": a lone "b" ("1gb", tc's "mbps") is refused, not
+# taken 8x off.
+_RATE = re.compile(rf"\s*{_NUMBER}\s*([kmgtKMGT]?)([bB][iI][tT]|B)(?:/s)?\s*")
+_LATENCY = re.compile(rf"\s*{_NUMBER}\s*(s|ms|us|ns)\s*")
 CLUSTER_GRAMMAR = "NxL,intra=RATE/LATENCY,inter=RATE/LATENCY[,nics=K]"
 
 
 def parse_rate(text: str) -> float:
-    """Bytes per second from "25gbit", "100mbit", "12.5GB" (per second); > 0.
+    """Bytes per second from a rate: a number, an SI prefix (k, m, g, t), then "bit" (any
+    case) or "B" (bytes), "/s" optional: "25gbit", "100Mbit/s", "12.5GB"; > 0.
 
     Example:
-        >>> parse_rate("25gbit"), parse_rate("2GB")
-        (3125000000.0, 2000000000.0)
+        >>> parse_rate("25gbit"), parse_rate("2GB"), parse_rate("1Gbit/s")
+        (3125000000.0, 2000000000.0, 125000000.0)
     """
-    match = re.fullmatch(rf"\s*{_NUMBER}\s*([kmgt]?)(bit|b)\s*", text, re.IGNORECASE)
+    match = _RATE.fullmatch(text)
     value = float(match[1]) * _UNITS[match[2].lower()] if match else 0.0
     if not 0 < value < math.inf:
         raise ValueError(f"expected a rate > 0 like '25gbit' or '12.5GB', got {text!r}")
-    return value / 8 if match[3].lower() == "bit" else value
+    return value if match[3] == "B" else value / 8
+
+
+def parse_latency(text: str) -> float:
+    """Seconds from a latency: a number and s, ms, us or ns ("20us").
+
+    Example:
+        >>> parse_latency("20us"), parse_latency("2ms")
+        (2e-05, 0.002)
+    """
+    match = _LATENCY.fullmatch(text)
+    if not match:
+        raise ValueError(f"expected a latency like '20us' (s, ms, us, ns), got {text!r}")
+    return float(match[1]) / _PER_SECOND[match[2]]
 
 
 def parse_hop(text: str) -> Hop:
-    """A hop from "RATE/LATENCY", e.g. "25gbit/20us" (no latency: 0)."""
-    rate, _, latency = text.partition("/")
-    match = re.fullmatch(rf"\s*{_NUMBER}\s*(s|ms|us|ns)\s*", latency or "0us")
-    if not match:
-        raise ValueError(f"expected a latency like '20us' (s, ms, us, ns), got {latency!r}")
-    return Hop(float(match[1]) * _TIME[match[2]], parse_rate(rate))
+    """A hop from "RATE/LATENCY", e.g. "25gbit/20us" (no latency: 0; a rate's own "/s"
+    is no latency)."""
+    rate, latency = text, "0us"
+    head, slash, tail = text.rpartition("/")
+    if slash and tail.strip() != "s":
+        rate, latency = head, tail
+    return Hop(parse_latency(latency), parse_rate(rate))
 
 
 def parse_cluster(text: str) -> Cluster:

@@ -9,11 +9,11 @@ the other arguments of `DistributedOptimizer` that need no Horovod to check
 from __future__ import annotations
 
 import numbers
-import re
 from dataclasses import dataclass
 
 import torch
 
+from .collectives import parse_latency, parse_rate
 from .stepmodel import factor_sizes
 
 # The floating dtypes Horovod 0.28 can all-reduce (CPU and CUDA alike): what P, Q
@@ -163,10 +163,6 @@ class PowerSGDConfig:
         return factor_sizes(shape, rank, self.min_compression_rate) is not None
 
 
-_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
-_LINK = re.compile(r"(\d+(?:\.\d+)?)([kmg]?)bit(?:,(\d+(?:\.\d+)?)ms)?")
-
-
 def parse_link(text: str) -> tuple[float, float]:
     """(bytes per second, latency in seconds) of a link like "50mbit" or "1gbit,2ms".
 
@@ -174,14 +170,14 @@ def parse_link(text: str) -> tuple[float, float]:
         >>> parse_link("50mbit"), parse_link("1gbit,0.5ms")
         ((6250000.0, 0.001), (125000000.0, 0.0005))
     """
-    found = _LINK.fullmatch(str(text).lower().replace(" ", ""))
-    bits = float(found.group(1)) * _UNITS[found.group(2)] if found else 0.0
-    if not bits > 0:
+    rate, comma, latency = str(text).replace(" ", "").partition(",")
+    try:
+        return parse_rate(rate), parse_latency(latency) if comma else 1e-3
+    except ValueError:
         raise ValueError(
-            f'a link must read like "50mbit" or "1gbit,2ms" (bits per second with k, m or '
-            f"g, then optionally the latency of one all-reduce in ms), got {text!r}"
-        )
-    return bits / 8, float(found.group(3) or 1.0) / 1e3
+            f'a link must read like "50mbit" or "1gbit,2ms" (a rate, collectives.parse_rate, '
+            f"then optionally the latency of one all-reduce; 1 ms unless given), got {text!r}"
+        ) from None
 
 
 def check_log_every(log_every) -> None:

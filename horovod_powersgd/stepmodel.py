@@ -284,13 +284,17 @@ class Measurements:
         }
 
     @staticmethod
-    def from_dict(data: dict) -> Measurements:
+    def from_dict(data: dict, rounds: int | None = None) -> Measurements:
         """The job back from a profile (`to_dict`'s, with the "trials" rank="auto" adds).
 
         The one check of a profile: a ValueError names the first field that is missing
         or out of range by its path ("buckets[3].ready_s: expected a finite number >= 0,
         got 'x'"). A "format" other than `PROFILE_FORMAT` is refused; a profile without
         one is read as this layout (it was written before the field).
+
+        `rounds`: where given, a checkpoint's plan (rank="auto"'s state), read for the
+        schedule the resumed job runs; a checkpoint written before it kept its
+        measurements as a profile (lists, no schedule: `_from_checkpoint`) reads too.
 
         Example:
             >>> Measurements.from_dict({"format": 9, "rounds": 2})
@@ -299,6 +303,10 @@ class Measurements:
             ValueError: format: 9 is not supported (this version reads format 1, or none: ...)
         """
         data = _object(data, "the profile")
+        if rounds is not None:
+            if isinstance(data.get("link"), list):
+                data = _from_checkpoint(data)
+            data = {**data, "rounds": rounds}
         version = data.get("format", PROFILE_FORMAT)
         if not _is_integer(version) or version != PROFILE_FORMAT:
             raise ValueError(
@@ -332,6 +340,27 @@ class Measurements:
             _field(data, "rest_s", "", _number),
             _field(data, "workers", "", _integer, None),
         )
+
+
+def _from_checkpoint(state: dict) -> dict:
+    """rank="auto"'s measurements as checkpoints held them before they were kept as a
+    profile, in a profile's layout: each bucket [ready_s, plain_bytes, [[rank, *the
+    Option's fields], ...]], the link [latency_s, bytes_per_s] (no tensors, no workers)."""
+    fields = [f.name for f in dataclasses.fields(Option)]
+    return {
+        "backward_s": state["backward_s"],
+        "step_s": state["step_s"],
+        "rest_s": state["rest_s"],
+        "link": dict(zip(("latency_s", "bytes_per_s"), state["link"])),
+        "buckets": [
+            {
+                "ready_s": ready,
+                "plain_bytes": plain,
+                "options": {str(r): dict(zip(fields, option)) for r, *option in options},
+            }
+            for ready, plain, options in state["buckets"]
+        ],
+    }
 
 
 # Reading a profile back (`Measurements.from_dict`): each reader takes a JSON value and

@@ -574,7 +574,7 @@ class Tuner:
             "expected_s": self.expected_s,
             "changes": self.changes,
             "next_check": self._next_check,
-            "measurements": None if m is None else _measurements_state(m),
+            "measurements": None if m is None else m.to_dict(),
         }
 
     def load_state_dict(self, state, opt) -> None:
@@ -588,7 +588,9 @@ class Tuner:
             return
         self.phase, self.start = "settled", state["start"]
         self.expected_s, self.changes = state["expected_s"], state["changes"]
-        self.measurements = _measurements_from(state["measurements"], self.config.rounds)
+        self.measurements = stepmodel.Measurements.from_dict(
+            state["measurements"], self.config.rounds
+        )
         if self.pinned is not None:
             self.measurements = self.measurements.with_link(self.pinned)
         self._next_check = state["next_check"]
@@ -714,27 +716,3 @@ def _plan_rows(opt, figures: dict[int, dict]) -> list[dict]:
                  "method": "powersgd" if compressed else "plain", "rank": rank, **extra}
             )  # fmt: skip
     return rows
-
-
-def _measurements_state(m: stepmodel.Measurements) -> dict:
-    return {
-        "buckets": [
-            [b.ready_s, b.plain_bytes, [[r, *dataclasses.astuple(o)] for r, o in b.options.items()]]
-            for b in m.buckets
-        ],
-        "backward_s": m.backward_s,
-        "step_s": m.step_s,
-        "rest_s": m.rest_s,
-        "link": [m.link.latency_s, m.link.bytes_per_s],
-    }
-
-
-def _measurements_from(state: dict, rounds: int) -> stepmodel.Measurements:
-    buckets = tuple(
-        stepmodel.Bucket(ready, plain, {int(r): stepmodel.Option(*o) for r, *o in options})
-        for ready, plain, options in state["buckets"]
-    )
-    link = Hop(*state["link"])
-    return stepmodel.Measurements(
-        buckets, state["backward_s"], state["step_s"], link, rounds, state["rest_s"]
-    )
