@@ -597,7 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
     p.add_argument("--json", type=Path, help="write the records as a JSON list here")
     p.add_argument("--plot", type=Path, help="write a PNG of median step times here")
-    p.add_argument("--markdown", type=Path, help="write a report (tables, cost model) here")
+    p.add_argument("--markdown", type=Path, help="write a report (tables, targets) here")
     p.add_argument(
         "--from-json",
         type=Path,

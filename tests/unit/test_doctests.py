@@ -11,7 +11,6 @@ import pytest
 
 MODULES = [
     "horovod_powersgd.bench.confidence",
-    "horovod_powersgd.bench.costmodel",
     "horovod_powersgd.bench.netcap",
     "horovod_powersgd.bench.paired",
     "horovod_powersgd.bench.stats",
