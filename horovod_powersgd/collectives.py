@@ -27,10 +27,10 @@ inter-node hop (per NIC, `nics` NICs a node):
 * hierarchical PowerSGD (hierarchy.py): P and Q of each 1/L share are
   all-reduced by one worker per node across the N nodes, the node's L shares at
   once, sharing its NICs (`ShareLink`); the node's reduce-scatter before and
-  all-gather after ride the intra-node hop (bench/scale.py adds them).
+  all-gather after ride the intra-node hop (stepmodel.hierarchical adds them).
 
-`ClusterLink` gives the planner (planner.py) the cost of one all-reduce on a
-cluster in the same form as a `Link` measured on this machine, so one step
+`ClusterLink` gives the step model (stepmodel.py) the cost of one all-reduce on a
+cluster in the same form as a `Hop` measured on this machine, so one step
 model serves the running job and the scale CLI (bench/scale.py).
 """
 
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # kind -> (latency steps, bytes on each link per byte) for W >= 2 workers.
@@ -52,10 +53,35 @@ ALGORITHMS = ("ring", "tree", "nccl", "hierarchical")
 
 @dataclass(frozen=True)
 class Hop:
-    """One link between two workers: `latency_s` per message, `bytes_per_s` of bandwidth."""
+    """One link: `latency_s` per message, `bytes_per_s` of bandwidth. Between two workers
+    of a cluster, or a job's whole all-reduce as rank="auto" measures it (`fit`): an
+    all-reduce of `n` bytes then takes `seconds(n)`."""
 
     latency_s: float
     bytes_per_s: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+    @staticmethod
+    def fit(samples: Sequence[tuple[float, float]]) -> Hop:
+        """Least squares over (bytes, seconds) of timed all-reduces; the latency >= 0.
+
+        Example:
+            >>> hop = Hop.fit([(1e3, 0.01001), (1e6, 0.02), (4e6, 0.05)])
+            >>> round(hop.latency_s, 3), round(hop.bytes_per_s / 1e6)
+            (0.01, 100)
+        """
+        if not samples:
+            raise ValueError("no timed all-reduce to fit the link to")
+        xs, ys = [float(b) for b, _ in samples], [float(s) for _, s in samples]
+        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+        spread = sum((x - mean_x) ** 2 for x in xs)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0
+        if slope <= 0:  # all of one size, or no cost per byte: all of it is latency
+            return Hop(latency_s=max(mean_y, 0.0), bytes_per_s=math.inf)
+        latency = max(mean_y - slope * mean_x, 0.0)
+        return Hop(latency_s=latency, bytes_per_s=1.0 / slope)
 
     def scaled(self, bandwidth: float) -> Hop:
         """The same hop with `bandwidth` times the bytes per second."""
@@ -139,7 +165,7 @@ def allreduce_s(nbytes: float, cluster: Cluster, algorithm: str = "nccl") -> flo
 
 @dataclass(frozen=True)
 class ClusterLink:
-    """An all-reduce on `cluster`, in the planner's form of a link (`seconds(nbytes)`)."""
+    """An all-reduce on `cluster`, in the step model's form of a link (`seconds(nbytes)`)."""
 
     cluster: Cluster
     algorithm: str = "nccl"
@@ -150,7 +176,7 @@ class ClusterLink:
 
 @dataclass(frozen=True)
 class ShareLink:
-    """Hierarchical PowerSGD's messages between nodes, in the planner's form of a link.
+    """Hierarchical PowerSGD's messages between nodes, in the step model's form of a link.
 
     `seconds(nbytes)`: a bucket's `nbytes` (P, Q or the uncompressed, the whole
     node's) split into L shares, each all-reduced by one worker per node over
@@ -174,33 +200,54 @@ class ShareLink:
         return min(collective_s(k, share, c.nodes, hop) for k in ("ring", "tree"))
 
 
+# The one grammar of a rate and a latency: the scale CLI's clusters and bandwidths,
+# rank="auto"'s pinned link (config.parse_link) and the benchmark's cap (bench/netcap.py).
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-_TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+_PER_SECOND = {"s": 1.0, "ms": 1e3, "us": 1e6, "ns": 1e9}
 _NUMBER = r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+# "bit" in any case; bytes only as "B": a lone "b" ("1gb", tc's "mbps") is refused, not
+# taken 8x off.
+_RATE = re.compile(rf"\s*{_NUMBER}\s*([kmgtKMGT]?)([bB][iI][tT]|B)(?:/s)?\s*")
+_LATENCY = re.compile(rf"\s*{_NUMBER}\s*(s|ms|us|ns)\s*")
 CLUSTER_GRAMMAR = "NxL,intra=RATE/LATENCY,inter=RATE/LATENCY[,nics=K]"
 
 
 def parse_rate(text: str) -> float:
-    """Bytes per second from "25gbit", "100mbit", "12.5GB" (per second); > 0.
+    """Bytes per second from a rate: a number, an SI prefix (k, m, g, t), then "bit" (any
+    case) or "B" (bytes), "/s" optional: "25gbit", "100Mbit/s", "12.5GB"; > 0.
 
     Example:
-        >>> parse_rate("25gbit"), parse_rate("2GB")
-        (3125000000.0, 2000000000.0)
+        >>> parse_rate("25gbit"), parse_rate("2GB"), parse_rate("1Gbit/s")
+        (3125000000.0, 2000000000.0, 125000000.0)
     """
-    match = re.fullmatch(rf"\s*{_NUMBER}\s*([kmgt]?)(bit|b)\s*", text, re.IGNORECASE)
+    match = _RATE.fullmatch(text)
     value = float(match[1]) * _UNITS[match[2].lower()] if match else 0.0
     if not 0 < value < math.inf:
         raise ValueError(f"expected a rate > 0 like '25gbit' or '12.5GB', got {text!r}")
-    return value / 8 if match[3].lower() == "bit" else value
+    return value if match[3] == "B" else value / 8
+
+
+def parse_latency(text: str) -> float:
+    """Seconds from a latency: a number and s, ms, us or ns ("20us").
+
+    Example:
+        >>> parse_latency("20us"), parse_latency("2ms")
+        (2e-05, 0.002)
+    """
+    match = _LATENCY.fullmatch(text)
+    if not match:
+        raise ValueError(f"expected a latency like '20us' (s, ms, us, ns), got {text!r}")
+    return float(match[1]) / _PER_SECOND[match[2]]
 
 
 def parse_hop(text: str) -> Hop:
-    """A hop from "RATE/LATENCY", e.g. "25gbit/20us" (no latency: 0)."""
-    rate, _, latency = text.partition("/")
-    match = re.fullmatch(rf"\s*{_NUMBER}\s*(s|ms|us|ns)\s*", latency or "0us")
-    if not match:
-        raise ValueError(f"expected a latency like '20us' (s, ms, us, ns), got {latency!r}")
-    return Hop(float(match[1]) * _TIME[match[2]], parse_rate(rate))
+    """A hop from "RATE/LATENCY", e.g. "25gbit/20us" (no latency: 0; a rate's own "/s"
+    is no latency)."""
+    rate, latency = text, "0us"
+    head, slash, tail = text.rpartition("/")
+    if slash and tail.strip() != "s":
+        rate, latency = head, tail
+    return Hop(parse_latency(latency), parse_rate(rate))
 
 
 def parse_cluster(text: str) -> Cluster:

@@ -50,6 +50,7 @@ import torch
 from .config import PowerSGDConfig
 from .layout import Factors, PaddedBatch, ShapeGroup, padded_batches
 from .linalg import compute_dtype, matrix_shape, orthogonalize_, wire_scale
+from .stepmodel import per_round
 
 
 def _accumulate(group: ShapeGroup, index: int, grad, error_feedback: bool) -> None:
@@ -747,14 +748,14 @@ class PowerSGDCompressor:
         """Parameter shape, matrix shape (n, m), rank and P/Q elements sent per step.
 
         rounds=1 alternates between r·m and r·n elements (at full rank it sends
-        the same factor every step); the value is the mean over two steps.
+        the same factor every step); the value is the mean over two steps
+        (`stepmodel.per_round`, the model's bytes of a step).
         """
         group, _ = self._where[name]
         sizes = {"p": group.rank * group.n, "q": group.rank * group.m}
-        if self.schedule.rounds == 2:
-            per_step = sizes["p"] + sizes["q"]
-        else:
-            per_step = (sizes[group.sends[0]] + sizes[group.sends[1]]) / 2
+        rounds = self.schedule.rounds
+        first, second = ("p", "q") if rounds == 2 else group.sends  # by step parity
+        per_step = sum(per_round(sizes[first], sizes[second], 0, rounds))
         return {
             "shape": tuple(self._shapes[name]),
             "matrix": (group.n, group.m),

@@ -9,10 +9,12 @@ the other arguments of `DistributedOptimizer` that need no Horovod to check
 from __future__ import annotations
 
 import numbers
-import re
 from dataclasses import dataclass
 
 import torch
+
+from .collectives import parse_latency, parse_rate
+from .stepmodel import factor_sizes
 
 # The floating dtypes Horovod 0.28 can all-reduce (CPU and CUDA alike): what P, Q
 # and gradients may travel in. bfloat16 is not among them: bfloat16 gradients
@@ -153,21 +155,12 @@ class PowerSGDConfig:
         return min(self.rank if rank is None else rank, n, m)
 
     def compresses(self, shape: torch.Size, rank: int | None = None) -> bool:
-        """Whether a gradient of this shape is sent as P and Q at `rank` (the rate test)."""
-        if len(shape) < 2 or (rank is None and self.auto) or rank == 0:
+        """Whether a gradient of this shape is sent as P and Q at `rank` (the rate test,
+        `stepmodel.factor_sizes`)."""
+        if (rank is None and self.auto) or rank == 0:
             return False
-        n = shape[0]
-        m = 1
-        for d in shape[1:]:
-            m *= d
-        if n == 0 or m == 0:
-            return False
-        r = self.matrix_rank(n, m, rank)
-        return n * m >= self.min_compression_rate * r * (n + m)
-
-
-_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
-_LINK = re.compile(r"(\d+(?:\.\d+)?)([kmg]?)bit(?:,(\d+(?:\.\d+)?)ms)?")
+        rank = self.rank if rank is None else rank
+        return factor_sizes(shape, rank, self.min_compression_rate) is not None
 
 
 def parse_link(text: str) -> tuple[float, float]:
@@ -177,14 +170,14 @@ def parse_link(text: str) -> tuple[float, float]:
         >>> parse_link("50mbit"), parse_link("1gbit,0.5ms")
         ((6250000.0, 0.001), (125000000.0, 0.0005))
     """
-    found = _LINK.fullmatch(str(text).lower().replace(" ", ""))
-    bits = float(found.group(1)) * _UNITS[found.group(2)] if found else 0.0
-    if not bits > 0:
+    rate, comma, latency = str(text).replace(" ", "").partition(",")
+    try:
+        return parse_rate(rate), parse_latency(latency) if comma else 1e-3
+    except ValueError:
         raise ValueError(
-            f'a link must read like "50mbit" or "1gbit,2ms" (bits per second with k, m or '
-            f"g, then optionally the latency of one all-reduce in ms), got {text!r}"
-        )
-    return bits / 8, float(found.group(3) or 1.0) / 1e3
+            f'a link must read like "50mbit" or "1gbit,2ms" (a rate, collectives.parse_rate, '
+            f"then optionally the latency of one all-reduce; 1 ms unless given), got {text!r}"
+        ) from None
 
 
 def check_log_every(log_every) -> None:

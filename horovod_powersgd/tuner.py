@@ -56,7 +56,8 @@ import time
 
 import torch
 
-from . import planner
+from . import planner, stepmodel
+from .collectives import Hop
 from .comm import first_rank
 from .compressor import PowerSGDCompressor, local_step
 from .config import COMM_DTYPES, PowerSGDConfig, parse_link
@@ -64,7 +65,7 @@ from .config import COMM_DTYPES, PowerSGDConfig, parse_link
 logger = logging.getLogger("horovod_powersgd")
 
 LINK_ENV = "HOROVOD_POWERSGD_LINK"
-# Where the first rank writes the job's measurements (planner.Measurements.to_dict), once
+# Where the first rank writes the job's measurements (stepmodel.Measurements.to_dict), once
 # auto has measured: the profile `python -m horovod_powersgd.bench.scale` predicts from.
 PROFILE_VARIABLE = "HOROVOD_POWERSGD_PROFILE"
 CLEAN, TIMED, PROBE = (1, 2, 3), (4, 5), (6, 7)  # steps of the measure phase, by index
@@ -116,7 +117,7 @@ def link_setting(config: PowerSGDConfig) -> str | None:
     return config.auto_link or os.environ.get(LINK_ENV) or None
 
 
-def pinned_link(config: PowerSGDConfig) -> planner.Link | None:
+def pinned_link(config: PowerSGDConfig) -> Hop | None:
     """The link to plan for, if pinned (the setting first, then the environment)."""
     text = link_setting(config)
     if text is None:
@@ -126,7 +127,7 @@ def pinned_link(config: PowerSGDConfig) -> planner.Link | None:
     except ValueError as error:
         source = "auto_link" if config.auto_link else LINK_ENV
         raise ValueError(f"{source}={text!r}: {error}") from None
-    return planner.Link(latency_s=latency_s, bytes_per_s=bytes_per_s)
+    return Hop(latency_s=latency_s, bytes_per_s=bytes_per_s)
 
 
 def profile_path(writer: bool) -> str | None:
@@ -254,7 +255,7 @@ class Tuner:
         self.origin = max(config.start_iter - MEASURE_STEPS, 0)
         self.start = self.origin + MEASURE_STEPS  # the first compressed step
         self.phase = "measure"
-        self.measurements: planner.Measurements | None = None
+        self.measurements: stepmodel.Measurements | None = None
         self.candidates: list[list[int]] = []
         self.trial_steps: list[list[float]] = []  # this rank's timed steps of each candidate
         self._plain_steps: list[float] = []  # the clean steps' ranks' means: their spread too
@@ -348,7 +349,7 @@ class Tuner:
             # scratch gradients about twice the model's gradients (docs/auto.md).
             del probe
 
-    def _gather(self, state) -> tuple[planner.Measurements, list[float]]:
+    def _gather(self, state) -> tuple[stepmodel.Measurements, list[float]]:
         """The ranks' means of what this rank measured, and of each clean step's time."""
         buckets = state.reducer.buckets
         names = [f"b{b.index}.r1" for b in buckets]
@@ -371,22 +372,22 @@ class Tuner:
         rest = mean[len(buckets) + len(self._timed) :]
         compress, total = rest[: len(options)], rest[len(options) :]
         samples = [(nbytes, s) for (_, nbytes, _), s in zip(self._timed, timed)]
-        link = planner.Link.fit(samples)
+        link = Hop.fit(samples)
         out = []
         for j, bucket in enumerate(buckets):
             tensors = _tensors(state, bucket, self.ladder)
-            sizes, found = _sizes(tensors, self.ladder, self.config.rounds), {}
+            sizes, found = stepmodel.bucket_bytes(tensors, self.ladder, self.config.rounds), {}
             for k, (rank, index) in enumerate(options):
                 if index == bucket.index and rank in sizes and total[k] == total[k]:
-                    found[rank] = planner.Option(compress[k], total[k], *sizes[rank])
-            out.append(planner.Bucket(ready[j], _plain_bytes(state, bucket), found, tensors))
+                    found[rank] = stepmodel.Option(compress[k], total[k], *sizes[rank])
+            out.append(stepmodel.Bucket(ready[j], _plain_bytes(state, bucket), found, tensors))
         backward = max(ready) if ready else 0.0
         # The step beyond the model's part, as measured: the plain step less the span from
         # its first gradient to its last bucket's arrival. Not the step less the modelled
         # timeline: what the fitted link misses of the real one would land in it, and be
         # charged to every plan on every other link (docs/scale.md, two nodes).
         rest_s = max(step_s - span_s, 0.0) if span_s == span_s else None
-        measured = planner.Measurements(
+        measured = stepmodel.Measurements(
             tuple(out), backward, step_s, link, self.config.rounds, rest_s, self.comm.size
         )
         return (measured if self.pinned is None else measured.with_link(self.pinned)), clean
@@ -477,7 +478,7 @@ class Tuner:
         self.phase, self._window = "settled", []
         if not self._apply(state, plan):
             self._log(state, plan)  # the last candidate tried: taken as it runs
-        self.expected_s = planner.predict(self.measurements, plan) if seconds is None else seconds
+        self.expected_s = stepmodel.predict(self.measurements, plan) if seconds is None else seconds
         self._next_check = state.step + CHECK_EVERY
 
     # --- keep up ----------------------------------------------------------------------------
@@ -491,7 +492,7 @@ class Tuner:
         failing = _failing_buckets(state)
         raised = plan
         if failing:
-            budget = planner.predict(self.measurements, plan) * (1 + TOLERANCE)
+            budget = stepmodel.predict(self.measurements, plan) * (1 + TOLERANCE)
             raised = planner.raise_failing(self.measurements, plan, failing, budget)
         # The step time against the settled one, the ranks' mean (1: nothing to compare).
         ratio = 1.0
@@ -510,7 +511,7 @@ class Tuner:
         samples = _time_link(self.comm, state.step)
         seconds = torch.tensor([s for _, s in samples], dtype=torch.float64)
         seconds = (self.comm.allreduce_sum(seconds, "auto.link") / self.comm.size).tolist()
-        link = self.pinned or planner.Link.fit([(b, s) for (b, _), s in zip(samples, seconds)])
+        link = self.pinned or Hop.fit([(b, s) for (b, _), s in zip(samples, seconds)])
         plans = planner.candidates(self.measurements.with_link(link), self.ladder, TOLERANCE)
         current = self._current(state)
         plans = None if not force and plans[0] == current else plans
@@ -548,8 +549,8 @@ class Tuner:
         logger.info(
             "PowerSGD auto plan at step %d (%s): %s; expected %.1f ms a step, plain %.1f ms",
             step, "trying" if self.phase == "try" else "taken", _describe(plan),
-            1e3 * planner.predict(self.measurements, plan),
-            1e3 * planner.predict(self.measurements, planner.uniform(self.measurements, 0)),
+            1e3 * stepmodel.predict(self.measurements, plan),
+            1e3 * stepmodel.predict(self.measurements, stepmodel.uniform(self.measurements, 0)),
         )  # fmt: skip
 
     def _send_residuals(self, state, residuals: dict[str, torch.Tensor]) -> None:
@@ -572,7 +573,7 @@ class Tuner:
             "expected_s": self.expected_s,
             "changes": self.changes,
             "next_check": self._next_check,
-            "measurements": None if m is None else _measurements_state(m),
+            "measurements": None if m is None else m.to_dict(),
         }
 
     def load_state_dict(self, saved, state) -> None:
@@ -586,7 +587,9 @@ class Tuner:
             return
         self.phase, self.start = "settled", saved["start"]
         self.expected_s, self.changes = saved["expected_s"], saved["changes"]
-        self.measurements = _measurements_from(saved["measurements"], self.config.rounds)
+        self.measurements = stepmodel.Measurements.from_dict(
+            saved["measurements"], self.config.rounds
+        )
         if self.pinned is not None:
             self.measurements = self.measurements.with_link(self.pinned)
         self._next_check = saved["next_check"]
@@ -599,11 +602,11 @@ class Tuner:
         if m is None:
             return {}
         plan = self._current(state)
-        expected = planner.predict(m, plan)
+        expected = stepmodel.predict(m, plan)
         out = {}
         for j, (bucket, rank) in enumerate(zip(m.buckets, plan)):
             option = bucket.options.get(rank)
-            as_plain = planner.predict(m, [*plan[:j], planner.PLAIN, *plan[j + 1 :]])
+            as_plain = stepmodel.predict(m, [*plan[:j], stepmodel.PLAIN, *plan[j + 1 :]])
             out[state.reducer.buckets[j].index] = {
                 "bucket_ms": None if option is None else 1e3 * option.work_s,
                 "saved_ms": 1e3 * (as_plain - expected),
@@ -639,32 +642,21 @@ def _time_link(comm, step: int) -> list[tuple[int, float]]:
     return samples
 
 
-def _tensors(state, bucket, ladder) -> tuple[planner.Tensor, ...]:
+def _tensors(state, bucket, ladder) -> tuple[stepmodel.Tensor, ...]:
     """Each of the bucket's gradients: its sizes, and its factors' bytes at every rank of
     the ladder that compresses it."""
     config, out = state.config, []
     for p in bucket.params:
         factors = {}
+        size = torch.finfo(config.comm_dtype or _compute(p.dtype)).bits // 8
         for rank in ladder:
-            if config.compresses(p.shape, rank):
-                n, m = p.shape[0], p.numel() // p.shape[0]
-                r = config.matrix_rank(n, m, rank)
-                size = torch.finfo(config.comm_dtype or _compute(p.dtype)).bits // 8
-                factors[rank] = (float(r * n * size), float(r * m * size))
+            found = stepmodel.factor_sizes(p.shape, rank, config.min_compression_rate)
+            if found:
+                factors[rank] = (float(found[0] * size), float(found[1] * size))
         node = p.dtype if p.dtype in COMM_DTYPES else torch.float32  # hierarchy._Pack's
         wire = float(p.numel() * _wire_size(state, p, config.comm_dtype))
-        out.append(planner.Tensor(p.numel(), torch.finfo(node).bits // 8, wire, factors))
+        out.append(stepmodel.Tensor(p.numel(), torch.finfo(node).bits // 8, wire, factors))
     return tuple(out)
-
-
-def _sizes(tensors, ladder, rounds: int) -> dict[int, tuple[float, float]]:
-    """rank -> (round-1 bytes, round-2 bytes) of a bucket (its `_tensors`) as PowerSGD,
-    at the ranks that compress any of it."""
-    return {
-        rank: planner.message_bytes(tensors, rank, rounds)
-        for rank in ladder
-        if any(rank in t.factors for t in tensors)
-    }
 
 
 def _compute(dtype):
@@ -715,27 +707,3 @@ def _plan_rows(state, figures: dict[int, dict]) -> list[dict]:
                  "method": "powersgd" if compressed else "plain", "rank": rank, **extra}
             )  # fmt: skip
     return rows
-
-
-def _measurements_state(m: planner.Measurements) -> dict:
-    return {
-        "buckets": [
-            [b.ready_s, b.plain_bytes, [[r, *dataclasses.astuple(o)] for r, o in b.options.items()]]
-            for b in m.buckets
-        ],
-        "backward_s": m.backward_s,
-        "step_s": m.step_s,
-        "rest_s": m.rest_s,
-        "link": [m.link.latency_s, m.link.bytes_per_s],
-    }
-
-
-def _measurements_from(state: dict, rounds: int) -> planner.Measurements:
-    buckets = tuple(
-        planner.Bucket(ready, plain, {int(r): planner.Option(*o) for r, *o in options})
-        for ready, plain, options in state["buckets"]
-    )
-    link = planner.Link(*state["link"])
-    return planner.Measurements(
-        buckets, state["backward_s"], state["step_s"], link, rounds, state["rest_s"]
-    )

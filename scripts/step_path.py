@@ -11,7 +11,8 @@ optimizer's own step. Three paths, each with its budget in `make lint` or tests/
     python scripts/step_path.py --rounds 2 1 [--markdown] [--max-lines 300]   # flat
     python scripts/step_path.py --auto --rounds 2 1   # rank="auto", settled (a pinned link)
     # hierarchical: two nodes of two workers; rank 0 prints its path
-    bash scripts/nodes/two_nodes.sh --rate none -- .venv/bin/python scripts/step_path.py --hierarchical
+    bash scripts/nodes/two_nodes.sh --rate none -- \
+        .venv/bin/python scripts/step_path.py --hierarchical
 """
 
 from __future__ import annotations

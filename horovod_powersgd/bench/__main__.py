@@ -52,6 +52,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import confidence, report, targets
+from .configs import CONFIGS, DDP_CONFIGS, HOROVOD_CONFIGS, RANKED
 from .models import MODELS
 from .netcap import (
     BandwidthCapError,
@@ -62,19 +63,9 @@ from .netcap import (
 )
 from .paired import PAIRED_CONFIGS, describe_plan
 from .stats import Record, make_record
-from .worker import CONFIGS, DDP_CONFIGS, HOROVOD_CONFIGS
 
 KNOWN = tuple(dict.fromkeys((*CONFIGS, *PAIRED_CONFIGS)))
 DEFAULT_CONFIGS = "local,horovod,horovod-fp16,powersgd,powersgd-fp16,ddp,ddp-powersgd"
-RANKED = (
-    "powersgd",
-    "powersgd-fp16",
-    "powersgd-1round",
-    "powersgd-1round-fp16",
-    "powersgd-nostats",
-    "powersgd-hier",
-    "ddp-powersgd",
-)
 
 
 def parse_configs(
@@ -597,7 +588,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
     p.add_argument("--json", type=Path, help="write the records as a JSON list here")
     p.add_argument("--plot", type=Path, help="write a PNG of median step times here")
-    p.add_argument("--markdown", type=Path, help="write a report (tables, cost model) here")
+    p.add_argument("--markdown", type=Path, help="write a report (tables, targets) here")
     p.add_argument(
         "--from-json",
         type=Path,

@@ -9,14 +9,14 @@ it would bypass the network entirely; the launcher in ``__main__`` does that.
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 
-# tc units are SI (1 kbit = 1000 bit); tc's "bps" means *bytes* per second, a
-# classic source of 8x mistakes, so only bit-based units are accepted.
+from ..collectives import parse_rate
+
+# tc units are SI (1 kbit = 1000 bit); tc's "bps" means *bytes* per second, a classic
+# source of 8x mistakes: the one rate grammar (`collectives.parse_rate`) refuses it.
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
-_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?bit)(?:/s)?\s*$", re.IGNORECASE)
 UNLIMITED_NAMES = ("unlimited", "none", "inf", "")
 
 # Token-bucket burst and queueing latency, as in DESIGN.md. The burst must
@@ -30,7 +30,8 @@ class BandwidthCapError(RuntimeError):
 
 
 def parse_bandwidth(text: str) -> int | None:
-    """Bits per second of a rate such as ``200mbit`` or ``1gbit``; None for unlimited.
+    """Bits per second of a rate such as ``200mbit`` or ``1gbit`` (`collectives.parse_rate`);
+    None for unlimited.
 
     Example:
         >>> parse_bandwidth("200mbit"), parse_bandwidth("1Gbit/s"), parse_bandwidth("unlimited")
@@ -38,13 +39,13 @@ def parse_bandwidth(text: str) -> int | None:
     """
     if text.strip().lower() in UNLIMITED_NAMES:
         return None
-    match = _RATE_RE.match(text)
-    if not match:
+    try:
+        bits = parse_rate(text) * 8
+    except ValueError:
         raise ValueError(
-            f"bad bandwidth {text!r}: expected a number and a unit of kbit, mbit, gbit "
-            "(e.g. 200mbit, 1gbit, 2.5gbit) or 'unlimited'"
-        )
-    bits = float(match.group(1)) * _UNITS[match.group(2).lower()]
+            f"bad bandwidth {text!r}: expected a rate (e.g. 200mbit, 1gbit, 2.5gbit; "
+            "collectives.parse_rate) or 'unlimited'"
+        ) from None
     if bits < 8000:
         raise ValueError(f"bandwidth {text!r} is below 8kbit, too slow for tc tbf")
     return int(bits)

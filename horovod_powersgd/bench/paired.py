@@ -29,12 +29,12 @@ from typing import Callable
 import torch
 
 from . import confidence, targets
+from .configs import HOROVOD_CONFIGS
 from .models import MODELS
 from .stats import make_record
 from .worker import (
     AUTO_WARMUP_STEPS,
     COUNTED,
-    HOROVOD_CONFIGS,
     _peak_rss_mb,
     _setup_horovod,
     _static_counters,

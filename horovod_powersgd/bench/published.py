@@ -2,7 +2,7 @@
 
     python -m horovod_powersgd.bench.published        # the table of docs/scale.md
 
-Pure (no torch, no Horovod): the step model is planner.py's on collectives.py's
+Pure (no torch, no Horovod): the step model is stepmodel.py's on collectives.py's
 cluster costs, fed synthetic measurements built from what each source publishes
 (cluster shape, link, model, a timing) and, where a source is silent, an
 estimate that says so in the case's `inputs`. docs/scale.md ("Checked against
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .. import planner
+from .. import stepmodel
 from ..collectives import Cluster, ClusterLink, Hop, allreduce_s
 
 FLOAT32 = 4  # bytes a gradient entry takes on the wire
@@ -89,15 +89,15 @@ def parameters(shapes) -> int:
 
 
 def factor_bytes(shapes, rank: int) -> tuple[float, float, float]:
-    """(P bytes, Q bytes, uncompressed bytes) of one step at `rank` (config.compresses' rule)."""
+    """(P bytes, Q bytes, uncompressed bytes) of one step at `rank` (the library's rule,
+    `stepmodel.factor_sizes`)."""
     p = q = plain = 0.0
     for shape in shapes:
-        n, m = shape[0], math.prod(shape[1:])
-        r = min(rank, n, m)
-        if len(shape) >= 2 and n * m >= MIN_COMPRESSION_RATE * r * (n + m):
-            p, q = p + FLOAT32 * n * r, q + FLOAT32 * m * r
+        found = stepmodel.factor_sizes(shape, rank, MIN_COMPRESSION_RATE)
+        if found:
+            p, q = p + FLOAT32 * found[0], q + FLOAT32 * found[1]
         else:
-            plain += FLOAT32 * n * m
+            plain += FLOAT32 * math.prod(shape)
     return p, q, plain
 
 
@@ -112,8 +112,8 @@ def synthetic(
     backward_s: float,
     work_s: float = 0.0,
     factors: bool = True,
-) -> planner.Measurements:
-    """A job as the planner sees it: the gradients in buckets of `bucket_bytes`, ready
+) -> stepmodel.Measurements:
+    """A job as the step model sees it: the gradients in buckets of `bucket_bytes`, ready
     evenly through backward, each with a PowerSGD option at `rank` carrying its share of
     P, Q, the uncompressed tensors and `work_s` (half of it before the bucket leaves).
 
@@ -127,24 +127,26 @@ def synthetic(
     if not factors:
         p = q = 0.0
     share = 1.0 / count
-    option = planner.Option(
+    round1, round2 = stepmodel.per_round(p, q, plain, rounds=2)
+    option = stepmodel.Option(
         compress_s=0.5 * work_s * share,
         work_s=work_s * share,
-        round1_bytes=(p + plain) * share,
-        round2_bytes=q * share,
+        round1_bytes=round1 * share,
+        round2_bytes=round2 * share,
     )
     buckets = tuple(
-        planner.Bucket(backward_s * (b + 1) / count, total * share, {rank: option})
+        stepmodel.Bucket(backward_s * (b + 1) / count, total * share, {rank: option})
         for b in range(count)
     )
-    free = planner.Link(latency_s=0.0, bytes_per_s=math.inf)
-    return planner.Measurements(buckets, backward_s, step_s, free, 2, step_s - backward_s)
+    return stepmodel.Measurements(
+        buckets, backward_s, step_s, stepmodel.FREE, 2, step_s - backward_s
+    )
 
 
-def step_s(m: planner.Measurements, cluster: Cluster, rank: int = planner.PLAIN) -> float:
+def step_s(m: stepmodel.Measurements, cluster: Cluster, rank: int = stepmodel.PLAIN) -> float:
     """The model's step on `cluster`: plain (rank 0) or every bucket at `rank`."""
     on = m.with_link(ClusterLink(cluster))
-    return planner.predict(on, planner.uniform(on, rank))
+    return stepmodel.predict(on, stepmodel.uniform(on, rank))
 
 
 def _solve(f, target: float, low: float, high: float) -> float:

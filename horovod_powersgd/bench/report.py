@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -210,96 +209,6 @@ def job_lines(recs: Sequence[Record]) -> list[str]:
     return lines
 
 
-def cost_model_section(
-    records: Sequence[Record], *, hop_latency_s: float = 30e-6, gpu_compute_ms: float = 20.0
-) -> str:
-    """Fit the cost model to the records of one model and predict larger clusters."""
-    from .costmodel import emulated_wire_seconds, fit, speedup_table
-    from .netcap import parse_bandwidth
-
-    recs = [r for r in records if r.model == "resnet18"] or list(records)
-    if not recs:
-        return ""
-    model_name, workers = recs[0].model, recs[0].np
-    recs = [r for r in recs if r.model == model_name and r.np == workers]
-    plain = _find(recs, "horovod")
-    comp = _find(recs, "powersgd", 2)
-    bandwidths = sorted(
-        {r.bandwidth for r in recs}, key=lambda b: -(parse_bandwidth(b) or float("inf"))
-    )
-    if not (plain and comp) or len(bandwidths) < 2:
-        return "Cost model: needs plain Horovod and PowerSGD r2 at two or more bandwidths.\n"
-    # The bandwidth blocks ran minutes apart on a shared machine: rescale each
-    # block by its own `local` median so that load drift between blocks does not
-    # pass for a bandwidth effect.
-    locals_ms = {r.bandwidth: r.median_step_ms for r in recs if r.config == "local"}
-    drift = {bw: 1.0 for bw in bandwidths}
-    if len(locals_ms) == len(bandwidths):
-        mean_local = sum(locals_ms.values()) / len(locals_ms)
-        drift = {bw: mean_local / ms for bw, ms in locals_ms.items()}
-    samples = [
-        (
-            label(r),
-            emulated_wire_seconds(r.bytes_per_step, r.np, parse_bandwidth(r.bandwidth)),
-            r.median_step_ms * drift[r.bandwidth] / 1e3,
-        )
-        for r in recs
-        if r.config != "local"
-    ]
-    fitted = fit(samples)
-    drift_text = ", ".join(f"{bw} x{d:.2f}" for bw, d in drift.items())
-    lines = [
-        f"Fitted to the {model_name} runs above ({workers} workers, bandwidths "
-        f"{', '.join(bandwidths)}): one fixed cost per configuration, one wire efficiency for "
-        f"the machine (residual RMS {fitted.residual_rms_s * 1e3:.0f} ms). Each bandwidth "
-        f"block's medians were first rescaled by that block's `local` median to cancel load "
-        f"drift between blocks ({drift_text}).",
-        "",
-        "| configuration | fixed ms/step | bytes/step |",
-        "|---|---|---|",
-    ]
-    seen = {}
-    for r in recs:
-        if r.config != "local":
-            seen.setdefault(label(r), r.bytes_per_step)
-    for name, b in seen.items():
-        lines.append(f"| {name} | {fitted.fixed_s[name] * 1e3:.0f} | {b / 1e6:.3f} MB |")
-    lines += ["", f"Wire efficiency (1.0 = nominal rate, no overlap): {fitted.efficiency:.2f}", ""]
-    # Compute time on the scale of the (drift-rescaled) fit: the mean local median.
-    compute_ms = sum(locals_ms.values()) / len(locals_ms) if locals_ms else None
-    compute_ms = compute_ms or fitted.fixed_s[label(plain)] * 1e3
-    gpu_scale = gpu_compute_ms / compute_ms
-    nominal = dataclasses.replace(fitted, efficiency=1.0)
-    gpu = f"GPU-class compute ({gpu_compute_ms:.0f} ms/step)"
-    scenarios = [
-        ("this machine's CPU compute, fitted efficiency", 1.0, fitted),
-        (f"{gpu}, fitted efficiency", gpu_scale, fitted),
-        (f"{gpu}, efficiency 1.0 (nominal link rate, no overlap)", gpu_scale, nominal),
-    ]
-    nets = ["10gbit", "25gbit", "100gbit"]
-    ws = [8, 32, 128]
-    for title, scale, params in scenarios:
-        table = speedup_table(
-            params,
-            plain=(label(plain), plain.bytes_per_step),
-            compressed=(label(comp), comp.bytes_per_step),
-            workers=ws,
-            bandwidths=nets,
-            hop_latency_s=hop_latency_s,
-            compute_scale=scale,
-        )
-        lines += [
-            f"Predicted speedup of PowerSGD r2 over plain Horovod, {title}:",
-            "",
-            "| workers | " + " | ".join(n.replace("gbit", " Gbit/s") for n in nets) + " |",
-            "|---|" + "---|" * len(nets),
-        ]
-        for w in ws:
-            lines.append(f"| {w} | " + " | ".join(f"{table[(w, n)]:.2f}x" for n in nets) + " |")
-        lines.append("")
-    return "\n".join(lines)
-
-
 def write_markdown(
     records: Sequence[Record],
     path: Path,
@@ -343,7 +252,7 @@ def write_markdown(
         out += ["| target | measured | limit | |", "|---|---|---|---|"]
         out += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
         out.append("")
-    out += ["## Cost model", "", COST_MODEL_ASSUMPTIONS, "", cost_model_section(records), ""]
+    out += ["## At scale", "", AT_SCALE, ""]
     text = "\n".join(out)
     path.write_text(text + ("\n" + notes if notes else ""))
 
@@ -429,23 +338,8 @@ def _same_job(settings: dict, others: Sequence[dict]) -> bool:
 JOB_OUTCOME = ("stopped", "rounds", "seconds", "warmup_s", "slowdown", "pause_taken_over_asked")
 
 
-COST_MODEL_ASSUMPTIONS = """\
-Per step and worker, with W workers on links of B bit/s:
-`T = fixed_c * s + rounds_c * 2(W-1) * hop_latency + efficiency * 8 * bytes_c * 2(W-1)/W / B`.
-
-Assumptions:
-- Ring all-reduce: each worker puts 2(W-1)/W times the reduced bytes on its own link,
-  in 2(W-1) sequential hops per collective round. Plain Horovod: one round per 64 MiB
-  fusion buffer; PowerSGD: 2 rounds (P, then Q). Hop latency 30 us (a TCP hop on a
-  datacenter network; not measured here).
-- `fixed_c` (compute, PowerSGD's matmuls and orthogonalisation, framework overhead)
-  does not depend on W (weak scaling: batch per worker fixed) and is fitted per
-  configuration; `s` rescales it to other hardware, the same factor for compute and
-  compression overhead.
-- `efficiency` is fitted once for the machine. On the emulated network one capped
-  loopback carries all W workers' traffic, so the fit counts W times one worker's wire
-  time there; in the predictions every worker has a full-duplex link of its own.
-- No overlap of communication with the backward pass (conservative for plain Horovod,
-  which overlaps in part), no stragglers, no congestion beyond the link rate; the
-  unlimited run counts as zero wire time.
-- Bytes per step are those measured here, per worker; they do not depend on W."""
+AT_SCALE = """\
+Step times beyond this machine (more workers, other links and devices) are the step
+model's, the one rank="auto" plans with: `python -m horovod_powersgd.bench.scale` with a
+profile of the job (docs/scale.md gives the model, its checks against measured and
+published runs, and how to take the profile)."""

@@ -15,17 +15,17 @@ profile measured (the profile's schedule), hierarchical PowerSGD at those
 ranks (clusters of several nodes of several workers) and rank="auto"'s plan, and the
 speedup of each over plain Horovod; "*" marks the fastest (the first in
 the table within 1 % of the shortest). The step model is
-planner.py's (the one rank="auto" plans with) on collectives.py's cluster
-costs; docs/scale.md gives its equations and assumptions. `--compute` scales
-every second of local work (backward, PowerSGD's work, the rest of the step):
-0.1 predicts a device ten times as fast as the one profiled (docs/scale.md says
-how to pick it).
+stepmodel.py's (the one rank="auto" plans with, flat and hierarchical) on
+collectives.py's cluster costs; docs/scale.md gives its equations and
+assumptions. `--compute` scales every second of local work (backward,
+PowerSGD's work, the rest of the step): 0.1 predicts a device ten times as fast
+as the one profiled (docs/scale.md says how to pick it).
 
-A profile carries its layout's version in "format" (`planner.PROFILE_FORMAT`; one
+A profile carries its layout's version in "format" (`stepmodel.PROFILE_FORMAT`; one
 without it, written before the field, reads as format 1; another is refused). A bad
 input ends the CLI before any work with one line naming it (exit status 2). So does a
-profile whose parts do not add up to its own measured step (`planner.Measurements.
-consistency`: a CUDA profile from before rank="auto" timed the device), unless
+profile whose parts do not add up to its own measured step (`stepmodel.
+Measurements.consistency`: a CUDA profile from before rank="auto" timed the device), unless
 `--inconsistent correct` (its rest of the step set to fit) or `accept` (as it is).
 """
 
@@ -38,160 +38,28 @@ import json
 import math
 import os
 import re
-import statistics
 import sys
 
-from .. import planner, shares
-from ..collectives import (
-    ALGORITHMS,
-    CLUSTER_GRAMMAR,
-    ClusterLink,
-    ShareLink,
-    collective_s,
-    parse_cluster,
-    parse_rate,
+from .. import planner, stepmodel
+from ..collectives import ALGORITHMS, CLUSTER_GRAMMAR, ClusterLink, parse_cluster, parse_rate
+from ..stepmodel import (
+    PLAIN,
+    Measurements,
+    compute_under_compression,
+    hierarchical_s,
+    predict,
+    uniform,
 )
 
 
-def _halved(m: planner.Measurements) -> planner.Measurements:
+def _halved(m: Measurements) -> Measurements:
     """The job with plain buckets sent in float16 (Horovod's fp16 compression)."""
     buckets = tuple(dataclasses.replace(b, plain_bytes=b.plain_bytes / 2) for b in m.buckets)
     return dataclasses.replace(m, buckets=buckets)
 
 
-def hierarchical(m: planner.Measurements, cluster) -> list[planner.Measurements]:
-    """The profiled job as hierarchical PowerSGD on `cluster`: one `Measurements` per local
-    rank, each that worker's step (docs/scale.md; the step is the slowest's).
-
-    Every bucket of a compressed step takes the library's four stages: the node's
-    collectives (hierarchy.py's packs, `shares.scatters`: a reduce-scatter of L
-    rows of the longest share and an all-gather of them, or the bucket all-reduced
-    whole twice) on the intra-node hop, before the bucket's local work and after
-    its rounds, on the worker's one queue of collectives; between them the share's
-    P, Q and uncompressed tensors cross the N nodes, the L shares at once on the
-    node's NICs. Local rank j's share is `shares.owners`' split of the profile's
-    tensors; its local work is the bucket's measured work times its share of the
-    compressed elements. A profile without tensor sizes (written before they
-    were recorded) is split evenly: the work / L, the bytes as L equal shares.
-    """
-    per_node = cluster.per_node
-    ranks = sorted({r for b in m.buckets for r in b.options})
-    if not all(b.tensors for b in m.buckets):
-        return [_even_shares(m, cluster, ranks)]
-    split = shares.owners([[t.numel for t in b.tensors] for b in m.buckets], per_node)
-    stages = [_node_stages(b.tensors, owner, cluster) for b, owner in zip(m.buckets, split)]
-    out = []
-    for j in range(per_node):
-        buckets = []
-        for b, owner, (before, after) in zip(m.buckets, split, stages):
-            mine = [t for t, k in zip(b.tensors, owner) if k == j]
-            options = {}
-            for r in ranks:
-                compressed = sum(t.numel for t in b.tensors if r in t.factors)
-                part = (
-                    sum(t.numel for t in mine if r in t.factors) / compressed if compressed else 0
-                )
-                o = b.options.get(r, planner.Option(0.0, 0.0, 0.0))
-                first, second = planner.message_bytes(mine, r, m.rounds)
-                options[r] = planner.Option(
-                    o.compress_s * part, o.work_s * part, first, second, before, after
-                )
-            buckets.append(dataclasses.replace(b, options=options))
-        out.append(dataclasses.replace(m, buckets=tuple(buckets), link=ShareLink(cluster, False)))
-    return out
-
-
-def _node_stages(tensors, owner, cluster) -> tuple[float, float]:
-    """Seconds of a bucket's node collectives before its local work, and after its rounds."""
-    per_node, intra = cluster.per_node, cluster.intra
-    packs = {}
-    for t, j in zip(tensors, owner):
-        sizes, owners = packs.setdefault(t.element_bytes, ([], []))
-        sizes.append(t.numel)
-        owners.append(j)
-    if shares.scatters(list(packs.values()), per_node):
-        rows = sum(
-            size * per_node * max(1, *shares.rows(n, o, per_node)) for size, (n, o) in packs.items()
-        )
-        return (
-            collective_s("reduce_scatter", rows, per_node, intra),
-            collective_s("all_gather", rows, per_node, intra),
-        )
-    whole = collective_s("ring", sum(t.numel * t.element_bytes for t in tensors), per_node, intra)
-    return whole, whole
-
-
-def _even_shares(m: planner.Measurements, cluster, ranks) -> planner.Measurements:
-    """A profile without tensor sizes: every bucket split into L equal shares."""
-    per_node = cluster.per_node
-
-    def stage(kind: str, nbytes: float) -> float:
-        return collective_s(kind, nbytes, per_node, cluster.intra)
-
-    buckets = []
-    for b in m.buckets:
-        before, after = stage("reduce_scatter", b.plain_bytes), stage("all_gather", b.plain_bytes)
-        options = {}
-        for r in ranks:
-            o = b.options.get(r, planner.Option(0.0, 0.0, b.plain_bytes))
-            options[r] = dataclasses.replace(
-                o,
-                compress_s=o.compress_s / per_node,
-                work_s=o.work_s / per_node,
-                before_s=before,
-                after_s=after,
-            )
-        buckets.append(dataclasses.replace(b, options=options))
-    return dataclasses.replace(m, buckets=tuple(buckets), link=ShareLink(cluster))
-
-
-def hierarchical_s(m: planner.Measurements, cluster, rank: int) -> float:
-    """Predicted seconds of a hierarchical PowerSGD step at `rank`: the slowest share's."""
-    return max(planner.predict(s, planner.uniform(s, rank)) for s in hierarchical(m, cluster))
-
-
-def compute_under_compression(m: planner.Measurements, trials: list[dict]) -> float | None:
-    """The factor on the profile's compute that puts the model's step of each fully
-    compressed plan rank="auto" timed in the profiled job at what it measured (the
-    median over those plans; None: none timed). About 1 with a device per worker;
-    above 1 where workers share cores and compute at once only when the link is not
-    the wait (docs/scale.md: 3 workers on 2 cores, x1.7).
-
-    A plan counts where every bucket that can be compressed is: its messages are small
-    beside its compute, so the factor is the compute's. They are charged at the
-    profile's fitted bandwidth without its fitted latency, the least reliable part of
-    a fit to a few bucket sizes (0.37 s an all-reduce on the two-node LSTM's profile,
-    which would put 5 s of latency in a step of 6).
-
-    Example:
-        >>> o = planner.Option(compress_s=0.0, work_s=0.0, round1_bytes=1e3)
-        >>> b = planner.Bucket(ready_s=0.5, plain_bytes=1e8, options={2: o})
-        >>> m = planner.Measurements((b,), 0.5, 2.0, planner.Link(0.0, 1e9), rest_s=0.5)
-        >>> round(compute_under_compression(m, [{"plan": [2], "step_s": 1.5}]), 3)
-        1.5
-    """
-    bytes_only = m.with_link(planner.Link(0.0, m.link.bytes_per_s))
-
-    def step(factor: float, plan) -> float:
-        return planner.predict(bytes_only.scaled(factor), plan)
-
-    factors = []
-    for trial in trials:
-        plan, measured = trial["plan"], trial["step_s"]
-        if not any(plan) or any(r == planner.PLAIN and b.options for r, b in zip(plan, m.buckets)):
-            continue  # a plain bucket's all-reduce: the link's time, not the compute's
-        low, high = 0.05, 20.0
-        if not step(low, plan) <= measured <= step(high, plan):
-            continue
-        for _ in range(60):
-            mid = (low * high) ** 0.5
-            low, high = (mid, high) if step(mid, plan) < measured else (low, mid)
-        factors.append((low * high) ** 0.5)
-    return statistics.median(factors) if factors else None
-
-
 def predictions(
-    m: planner.Measurements, cluster, algorithm: str = "nccl", compressed_compute: float = 1.0
+    m: Measurements, cluster, algorithm: str = "nccl", compressed_compute: float = 1.0
 ) -> dict[str, float]:
     """Configuration -> predicted seconds of one step of the profiled job on `cluster`.
 
@@ -199,25 +67,23 @@ def predictions(
     (`compute_under_compression`); 1: every plan computes as the profiled plain steps.
     """
     on = m.with_link(ClusterLink(cluster, algorithm))
-    plain = [planner.PLAIN] * len(m.buckets)
+    plain = [PLAIN] * len(m.buckets)
     out = {
-        "horovod": planner.predict(on, plain),
-        "horovod-fp16": planner.predict(_halved(on), plain),
-        "horovod-hierarchical": planner.predict(
-            m.with_link(ClusterLink(cluster, "hierarchical")), plain
-        ),
+        "horovod": predict(on, plain),
+        "horovod-fp16": predict(_halved(on), plain),
+        "horovod-hierarchical": predict(m.with_link(ClusterLink(cluster, "hierarchical")), plain),
     }
     squeezed = m.scaled(compressed_compute) if compressed_compute != 1.0 else m
     busy = squeezed.with_link(ClusterLink(cluster, algorithm))
     ranks = sorted({r for b in m.buckets for r in b.options})
     for rank in ranks:
-        out[f"powersgd-r{rank}"] = planner.predict(busy, planner.uniform(busy, rank))
+        out[f"powersgd-r{rank}"] = predict(busy, uniform(busy, rank))
     if cluster.nodes > 1 and cluster.per_node > 1:
         for rank in ranks:
             out[f"powersgd-hier-r{rank}"] = hierarchical_s(squeezed, cluster, rank)
     if ranks:
         plan = planner.choose(on, ranks)
-        out["powersgd-auto"] = planner.predict(busy if any(plan) else on, plan)
+        out["powersgd-auto"] = predict(busy if any(plan) else on, plan)
     return out
 
 
@@ -232,7 +98,7 @@ def _fastest(seconds: dict[str, float]) -> str:
 
 
 def table(
-    m: planner.Measurements, cluster, workers, bandwidths, algorithm="nccl", compressed_compute=1.0
+    m: Measurements, cluster, workers, bandwidths, algorithm="nccl", compressed_compute=1.0
 ) -> list[dict]:
     """One row per (workers, inter-node bandwidth): predicted ms and speedups."""
     rows = []
@@ -372,9 +238,9 @@ def _output(path: str) -> str:
     return path
 
 
-def _profile(path: str) -> tuple[planner.Measurements, list[dict]]:
+def _profile(path: str) -> tuple[Measurements, list[dict]]:
     """The profile at `path` and the trials rank="auto" timed (a ValueError says what is
-    wrong: the file, its JSON, or the field `planner.Measurements.from_dict` names)."""
+    wrong: the file, its JSON, or the field `Measurements.from_dict` names)."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -386,18 +252,18 @@ def _profile(path: str) -> tuple[planner.Measurements, list[dict]]:
         raise ValueError(f"{path!r} is empty")
     try:
         data = json.loads(text)
-        return planner.Measurements.from_dict(data), data.get("trials", [])
+        return Measurements.from_dict(data), data.get("trials", [])
     except json.JSONDecodeError as error:
         raise ValueError(f"{path!r} is not JSON: {error}") from None
     except ValueError as error:
         raise ValueError(f"{path!r}: {error}") from None
 
 
-def _consistent(m: planner.Measurements, path: str, how: str):
+def _consistent(m: Measurements, path: str, how: str):
     """(the profile to predict from, a note or None): `m` where its parts add up to its
-    measured step (`planner.CONSISTENT`); else, by `how`, a ValueError ("refuse"), `m`
+    measured step (`stepmodel.CONSISTENT`); else, by `how`, a ValueError ("refuse"), `m`
     ("accept") or `m.corrected()` ("correct"), each of the last two with a note."""
-    low, high = planner.CONSISTENT
+    low, high = stepmodel.CONSISTENT
     ratio = m.consistency()
     if low <= ratio <= high:
         return m, None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from . import confidence
 from .confidence import Interval
+from .configs import RANKED
 from .stats import Record
 
 # (model, rank, description, numerator config, denominator config, bandwidth, upper limit)
@@ -40,14 +41,6 @@ BYTE_TARGETS = (
     ("resnet18", 2, "powersgd-fp16", 260.0),
     ("resnet18", 2, "powersgd-1round", 260.0),
     ("resnet18", 2, "powersgd-1round-fp16", 520.0),
-)
-RANKED_CONFIGS = (
-    "powersgd",
-    "powersgd-fp16",
-    "powersgd-1round",
-    "powersgd-1round-fp16",
-    "powersgd-nostats",
-    "powersgd-hier",
 )
 # rank="auto" keeps the user's schedule: it is held to the fixed configurations of its own
 # schedule (plain Horovod has none: it is in both), the best of the other shown beside.
@@ -159,7 +152,7 @@ def time_comparisons(at: Sequence[Record]) -> list[Comparison]:
         if (t_model, t_bw) != (model, bw):
             continue
         num = find(at, num_cfg, rank)
-        den = find(at, den_cfg, rank if den_cfg in (*RANKED_CONFIGS, "ddp-powersgd") else None)
+        den = find(at, den_cfg, rank if den_cfg in RANKED else None)
         if num and den:
             out.append(Comparison(f"{model}: {text}, r{rank}, {bw}", num, den, limit))
     slowed, plain = find(at, SLOWED), find(at, "horovod")

@@ -19,32 +19,13 @@ from typing import Callable
 
 import torch
 
+from .configs import CONFIGS, DDP_CONFIGS, HOROVOD_CONFIGS
 from .models import MODELS
 
-HOROVOD_CONFIGS = (
-    "horovod",
-    "horovod-fp16",
-    "powersgd",
-    "powersgd-fp16",
-    "powersgd-1round",
-    "powersgd-1round-fp16",
-    "powersgd-nostats",
-    # The library with nothing compressed (min_compression_rate=1e12): beside plain
-    # Horovod, the fixed cost it adds to a step.
-    "powersgd-none",
-    # hierarchical=True: exact in the node, compressed between nodes (hierarchy.py).
-    "powersgd-hier",
-    # rank="auto": plans per bucket from this job's measurements (untimed warm-up
-    # steps measure, try and settle first: AUTO_WARMUP_STEPS at least).
-    "powersgd-auto",
-    "powersgd-1round-auto",
-)
 AUTO_WARMUP_STEPS = 40
 # The counters differenced over the timed steps; compression_stats() has more
 # (the ratio so far; under rank="auto" the plan, a list).
 COUNTED = ("elements_uncompressed", "elements_sent", "bytes_sent")
-DDP_CONFIGS = ("ddp", "ddp-powersgd")
-CONFIGS = ("local", *HOROVOD_CONFIGS, *DDP_CONFIGS)
 
 
 def _peak_rss_mb() -> float:

@@ -8,7 +8,7 @@ Run on a cluster of nodes (scripts/nodes/two_nodes.sh starts one on this machine
 For each size (MB of float32) the node's all-reduce of it, its reduce-scatter as
 L rows (the size in all) and its all-gather of one row a worker (size / L each),
 the median of --reps after one untimed; then the intra-node hop a ring of L
-workers on it would need (`planner.Link.fit` of the all-reduces, a ring moving
+workers on it would need (`Hop.fit` of the all-reduces, a ring moving
 2(L-1)/L of the bytes a link), to give the scale CLI's `--cluster intra=`.
 Rank 0 prints one JSON line (``node_collectives {...}``): every rank's medians
 and the fitted hop.
@@ -24,7 +24,7 @@ import time
 import horovod.torch as hvd
 import torch
 
-from horovod_powersgd import planner
+from horovod_powersgd.collectives import Hop
 
 
 def main() -> None:
@@ -68,7 +68,7 @@ def main() -> None:
             (mb * 1e6 * per_link, statistics.median(r[mb]["allreduce_s"] for r in every))
             for mb in mine
         ]
-        hop = planner.Link.fit(samples)
+        hop = Hop.fit(samples)
         line = {
             "workers_per_node": local,
             "nodes": nodes,

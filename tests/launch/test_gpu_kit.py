@@ -19,7 +19,7 @@ from conftest import ROOT, launch
 sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
 import gpu_check
 
-from horovod_powersgd import planner
+from horovod_powersgd import stepmodel
 from horovod_powersgd.bench import scale
 from horovod_powersgd.collectives import parse_cluster
 
@@ -79,7 +79,7 @@ def test_every_phase_runs_and_the_report_holds_real_numbers(full_cpu_run):
         # rank="auto"'s profile of the model, readable by the scale model (docs/scale.md)
         got = report["profile"]["models"][name]
         assert "error" not in got, got.get("error")
-        measured = planner.Measurements.from_dict(got["profile"])
+        measured = stepmodel.Measurements.from_dict(got["profile"])
         assert real(measured.step_s) and measured.buckets, got["profile"]
         cluster = parse_cluster("2x4,intra=100GB/2us,inter=1gbit/20us")
         predicted = scale.predictions(measured, cluster)

@@ -15,8 +15,8 @@ from helpers import assert_same_on_every_rank, batch, local_gradients
 from torch import nn
 
 import horovod_powersgd as hps
-from horovod_powersgd import planner
 from horovod_powersgd import reducer as reducer_module
+from horovod_powersgd import stepmodel
 from horovod_powersgd import tuner as tuner_module
 from horovod_powersgd.bench import scale
 from horovod_powersgd.collectives import parse_cluster
@@ -253,13 +253,15 @@ def test_the_first_rank_writes_the_profile_the_scale_cli_predicts_from(tmp_path,
     if hvd.rank() == 0:
         # The profile predicts every plan as auto's own model did when it planned.
         data = json.loads(path.read_text())
-        profile = planner.Measurements.from_dict(data)
+        profile = stepmodel.Measurements.from_dict(data)
         measured = opt.powersgd_state.tuner.measurements
         # How many workers took it: bench.scale checks a one-worker profile on a free link.
         assert data["workers"] == profile.workers == hvd.size()
         assert len(profile.buckets) == len(opt.powersgd_state.reducer.buckets)
         for plan in ([0] * len(profile.buckets), plan_of(opt)):
-            assert planner.predict(profile, plan) == pytest.approx(planner.predict(measured, plan))
+            assert stepmodel.predict(profile, plan) == pytest.approx(
+                stepmodel.predict(measured, plan)
+            )
         rows = scale.table(
             profile, parse_cluster("1x2,intra=1GB/10us,inter=1GB/10us"), [2], ["1gbit"]
         )
@@ -273,7 +275,9 @@ def test_the_first_rank_writes_the_profile_the_scale_cli_predicts_from(tmp_path,
                 assert sum(t.factors[rank][1] for t in b.tensors if rank in t.factors) == (
                     option.round2_bytes
                 )
-        shares = scale.hierarchical(profile, parse_cluster("2x2,intra=1GB/10us,inter=1gbit/1ms"))
+        shares = stepmodel.hierarchical(
+            profile, parse_cluster("2x2,intra=1GB/10us,inter=1gbit/1ms")
+        )
         assert len(shares) == 2 and all(s.buckets[0].options for s in shares)
 
 
@@ -295,7 +299,7 @@ def test_the_profile_carries_the_candidates_timed_steps(tmp_path, monkeypatch):
         for t in trials:
             assert len(t["steps_s"]) == tuner_module.TRIAL_STEPS - 1
             assert t["step_s"] == pytest.approx(sum(t["steps_s"]) / len(t["steps_s"]))
-        assert planner.Measurements.from_dict(data).buckets  # still a profile
+        assert stepmodel.Measurements.from_dict(data).buckets  # still a profile
 
 
 @pytest.mark.parametrize("where", ["in a missing folder", "a folder", "removed after start"])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from horovod_powersgd.bench import costmodel, netcap, report
+from horovod_powersgd.bench import netcap, published, report
 from horovod_powersgd.bench.__main__ import launch_commands, parse_configs, pool_runs, run_order
 from horovod_powersgd.bench.models import MODELS
 from horovod_powersgd.bench.stats import (
@@ -18,6 +18,7 @@ from horovod_powersgd.bench.stats import (
     percentile,
     slowest_rank_step_times,
 )
+from horovod_powersgd.collectives import Cluster, Hop, parse_rate
 
 # --- bandwidth -------------------------------------------------------------------------
 
@@ -216,62 +217,24 @@ def test_local_and_ddp_start_one_process_per_worker(tmp_path):
     assert all(env["GLOO_SOCKET_IFNAME"] == "lo" for _, env in ddp)
 
 
-# --- cost model ------------------------------------------------------------------------
-
-
-def test_ring_factor():
-    assert costmodel.ring_factor(2) == 1.0
-    assert costmodel.ring_factor(128) == pytest.approx(2 * 127 / 128)
-    with pytest.raises(ValueError):
-        costmodel.ring_factor(0)
-
-
-def test_emulated_wire_time_counts_every_worker_on_the_one_loopback():
-    one = costmodel.wire_seconds(1e6, 4, 1e9)
-    assert one == pytest.approx(8 * 1e6 * 1.5 / 1e9)
-    assert costmodel.emulated_wire_seconds(1e6, 4, 1e9) == pytest.approx(4 * one)
-    assert costmodel.wire_seconds(1e6, 4, None) == 0.0
-
-
-def test_fit_recovers_the_parameters_that_generated_the_data():
-    fixed = {"horovod": 1.4, "powersgd r2": 1.6}
-    efficiency = 1.3
-    samples = [
-        (cfg, x, fixed[cfg] + efficiency * x)
-        for cfg, xs in (("horovod", (0.0, 0.7, 3.6)), ("powersgd r2", (0.0, 0.005, 0.03)))
-        for x in xs
-    ]
-    f = costmodel.fit(samples)
-    assert f.efficiency == pytest.approx(efficiency)
-    assert f.fixed_s == pytest.approx(fixed)
-    assert f.residual_rms_s == pytest.approx(0.0, abs=1e-12)
+# --- at scale: the step model ---------------------------------------------------------
 
 
 def test_predicted_speedup_grows_as_the_network_gets_slower_and_vanishes_without_bytes():
-    f = costmodel.Fit(fixed_s={"plain": 0.02, "psgd": 0.022}, efficiency=1.0, residual_rms_s=0)
-    table = costmodel.speedup_table(
-        f,
-        plain=("plain", 45e6),
-        compressed=("psgd", 0.33e6),
-        workers=[8, 128],
-        bandwidths=["100gbit", "10gbit"],
-        hop_latency_s=30e-6,
-    )
-    assert table[(8, "10gbit")] > table[(8, "100gbit")] > 1.0
-    # 45 MB at 10 Gbit/s (71 ms) dwarfs 20 ms of compute, even after PowerSGD's
-    # two rounds of 254 hops x 30 us: 99 ms / 38 ms.
-    assert table[(128, "10gbit")] == pytest.approx(2.62, abs=0.01)
-    # With compute scaled up 1000x, communication no longer matters.
-    slow = costmodel.speedup_table(
-        f,
-        plain=("plain", 45e6),
-        compressed=("psgd", 0.33e6),
-        workers=[8],
-        bandwidths=["100gbit"],
-        hop_latency_s=30e-6,
-        compute_scale=1000,
-    )
-    assert slow[(8, "100gbit")] == pytest.approx(0.02 / 0.022, rel=0.01)
+    # What the retired fitted cost model promised, now of the one step model (stepmodel.py,
+    # through bench.published's synthetic ResNet-18): 44.7 MB plain against rank 2's 0.3 MB.
+    shapes = published.resnet18_cifar()
+
+    def speedup(bandwidth, compute_s=0.02, workers=8):
+        m = published.synthetic(shapes, 2, 25 * 2**20, compute_s, compute_s * 2 / 3, 0.002)
+        hop = Hop(30e-6, parse_rate(bandwidth))
+        cluster = Cluster(workers, 1, hop, hop)
+        return published.step_s(m, cluster) / published.step_s(m, cluster, 2)
+
+    assert speedup("1gbit") > speedup("10gbit") > speedup("100gbit") > 1.0
+    assert speedup("10gbit", workers=128) > speedup("10gbit", workers=8)
+    # With compute 1000x longer, communication no longer matters.
+    assert speedup("100gbit", compute_s=20.0) == pytest.approx(1.0, abs=0.01)
 
 
 # --- report ----------------------------------------------------------------------------
@@ -361,7 +324,7 @@ def test_markdown_report_keeps_hand_written_notes(tmp_path):
     assert "old generated text" not in text
     assert text.endswith("## Notes\n\nhand-written finding\n")
     assert "## resnet18, 2 workers, bandwidth 200mbit" in text
-    assert "Predicted speedup" in text
+    assert "## At scale" in text and "horovod_powersgd.bench.scale" in text
 
 
 def test_many_shapes_model_has_a_shape_per_layer_and_trains_on_its_batch():

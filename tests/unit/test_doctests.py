@@ -11,10 +11,8 @@ import pytest
 
 MODULES = [
     "horovod_powersgd.bench.confidence",
-    "horovod_powersgd.bench.costmodel",
     "horovod_powersgd.bench.netcap",
     "horovod_powersgd.bench.paired",
-    "horovod_powersgd.bench.scale",
     "horovod_powersgd.bench.stats",
     "horovod_powersgd.collectives",
     "horovod_powersgd.compressor",
@@ -23,6 +21,7 @@ MODULES = [
     "horovod_powersgd.monitor",
     "horovod_powersgd.planner",
     "horovod_powersgd.shares",
+    "horovod_powersgd.stepmodel",
 ]
 
 

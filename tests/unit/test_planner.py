@@ -8,15 +8,16 @@ import sys
 
 import pytest
 
-from horovod_powersgd import planner
-from horovod_powersgd.planner import PLAIN, Bucket, Link, Measurements, Option
+from horovod_powersgd import planner, stepmodel
+from horovod_powersgd.collectives import Hop
+from horovod_powersgd.stepmodel import PLAIN, Bucket, Measurements, Option
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import noise_rule
 
 MB = 1e6
-FAST = Link(latency_s=50e-6, bytes_per_s=5e9)  # about 40 Gbit/s
-SLOW = Link(latency_s=1e-3, bytes_per_s=6.25e6)  # 50 Mbit/s
+FAST = Hop(latency_s=50e-6, bytes_per_s=5e9)  # about 40 Gbit/s
+SLOW = Hop(latency_s=1e-3, bytes_per_s=6.25e6)  # 50 Mbit/s
 LADDER = [1, 2, 4, 8]
 
 
@@ -41,7 +42,7 @@ def job(link, buckets=4, backward_s=0.08, step_s=0.15, work_s=0.004, ranks=(1, 2
 
 def test_the_plain_plan_predicts_the_measured_plain_step():
     m = Measurements(job(FAST).buckets, 0.08, 0.15, FAST)
-    assert planner.predict(m, [PLAIN] * 4) == pytest.approx(0.15)
+    assert stepmodel.predict(m, [PLAIN] * 4) == pytest.approx(0.15)
 
 
 def test_a_fast_link_keeps_every_bucket_plain():
@@ -53,7 +54,7 @@ def test_a_slow_link_compresses_every_bucket():
     plan = planner.choose(job(SLOW), [1, 2, 4, 8])
     assert PLAIN not in plan
     m = job(SLOW)
-    assert planner.predict(m, plan) < 0.1 * planner.predict(m, [PLAIN] * 4)
+    assert stepmodel.predict(m, plan) < 0.1 * stepmodel.predict(m, [PLAIN] * 4)
 
 
 def test_among_plans_about_as_fast_the_lowest_ranks_win():
@@ -70,7 +71,7 @@ def test_among_plans_about_as_fast_the_lowest_ranks_win():
     fastest, shortest = planner.fastest(m, LADDER)
     chosen = planner.choose(m, LADDER, tolerance=0.03)
     assert fastest == [1, 1, 1, 2] and chosen == [1, 1, 1, 1]
-    assert shortest < planner.predict(m, chosen) <= shortest * 1.03
+    assert shortest < stepmodel.predict(m, chosen) <= shortest * 1.03
     assert planner.choose(m, LADDER, tolerance=0.0) == fastest
 
 
@@ -80,7 +81,7 @@ def test_a_bucket_whose_work_costs_more_than_it_saves_stays_plain():
     cheap = {2: option(2, work_s=0.002, nbytes=40 * MB)}
     m = Measurements(
         (Bucket(0.04, 1e5, slow_work), Bucket(0.08, 40 * MB, cheap)), 0.08, 0.15, FAST
-    ).with_link(Link(1e-3, 100 * MB))  # 800 Mbit/s: 40 MB take 0.4 s
+    ).with_link(Hop(1e-3, 100 * MB))  # 800 Mbit/s: 40 MB take 0.4 s
     assert planner.choose(m, [2]) == [PLAIN, 2]
 
 
@@ -91,27 +92,27 @@ def test_what_hides_behind_backward_costs_nothing_yet_the_lowest_rank_is_taken()
     opts = {r: Option(1e-4, 2e-4, 1e6 * r, 0.0) for r in (1, 2, 4, 8)}
     m = Measurements(
         (Bucket(0.01, 20 * MB, opts), Bucket(0.2, 20 * MB, opts)), 0.2, 0.3, FAST, rounds=1
-    ).with_link(Link(1e-4, 50 * MB))
-    assert planner.predict(m, [8, 1]) == planner.predict(m, [1, 1])
-    assert planner.predict(m, [1, 8]) > planner.predict(m, [1, 1])
+    ).with_link(Hop(1e-4, 50 * MB))
+    assert stepmodel.predict(m, [8, 1]) == stepmodel.predict(m, [1, 1])
+    assert stepmodel.predict(m, [1, 8]) > stepmodel.predict(m, [1, 1])
     assert planner.choose(m, LADDER, tolerance=0.0) == [1, 1]
 
 
 def test_link_fit_recovers_latency_and_bandwidth():
-    truth = Link(latency_s=2e-3, bytes_per_s=12.5e6)
+    truth = Hop(latency_s=2e-3, bytes_per_s=12.5e6)
     samples = [(n, truth.seconds(n)) for n in (4, 1e5, 4e6, 4e6, 2e6)]
-    fitted = Link.fit(samples)
+    fitted = Hop.fit(samples)
     assert fitted.latency_s == pytest.approx(2e-3, rel=1e-6)
     assert fitted.bytes_per_s == pytest.approx(12.5e6, rel=1e-6)
     # All the same size, or no cost per byte: all of it is latency.
-    same = Link.fit([(4e6, 0.01), (4e6, 0.012)])
+    same = Hop.fit([(4e6, 0.01), (4e6, 0.012)])
     assert same.bytes_per_s == math.inf and same.latency_s == pytest.approx(0.011)
     with pytest.raises(ValueError, match="no timed all-reduce"):
-        Link.fit([])
+        Hop.fit([])
 
 
 def test_candidates_hold_the_choice_plain_and_uniform_plans_once_each():
-    m = job(Link(1e-4, 1e9))  # 8 Gbit/s: plain is the choice, the others near it
+    m = job(Hop(1e-4, 1e9))  # 8 Gbit/s: plain is the choice, the others near it
     found = planner.candidates(m, [1, 2, 4, 8])
     assert found[0] == planner.choose(m, [1, 2, 4, 8]) == [PLAIN] * 4
     assert found == [[PLAIN] * 4, [1] * 4, [2] * 4]  # and the two best uniform plans
@@ -122,8 +123,8 @@ def test_plans_expected_many_times_slower_are_not_tried():
     m = job(SLOW)
     found = planner.candidates(m, [1, 2, 4, 8])
     assert [PLAIN] * 4 not in found
-    best = planner.predict(m, found[0])
-    assert all(planner.predict(m, p) <= planner.HOPELESS * best for p in found)
+    best = stepmodel.predict(m, found[0])
+    assert all(stepmodel.predict(m, p) <= planner.HOPELESS * best for p in found)
 
 
 def test_pick_measured_takes_plain_then_the_lowest_ranks_of_the_fastest():
@@ -198,35 +199,35 @@ def test_on_a_slow_link_the_lowest_rank_is_taken_in_every_job():
     # before this rule put the early buckets at higher ranks, "hidden behind backward").
     m = job(SLOW, work_s=0.0001)
     plans = planner.candidates(m, LADDER)
-    truths = [planner.predict(m, p) for p in plans]
-    plain_s = planner.predict(m, [PLAIN] * 4)
+    truths = [stepmodel.predict(m, p) for p in plans]
+    plain_s = stepmodel.predict(m, [PLAIN] * 4)
     best = min(truths)
     for plan, noise in picks(plans, truths, plain_s):
         assert plan == [1, 1, 1, 1]
-        assert planner.predict(m, plan) <= best * (1 + noise)
+        assert stepmodel.predict(m, plan) <= best * (1 + noise)
 
 
-@pytest.mark.parametrize("link", [Link(1e-4, 1e9), Link(5e-4, 25e6)], ids=["8gbit", "200mbit"])
+@pytest.mark.parametrize("link", [Hop(1e-4, 1e9), Hop(5e-4, 25e6)], ids=["8gbit", "200mbit"])
 def test_the_same_job_twice_takes_the_same_plan(link):
     # Jobs alike but for the noise of their steps: at 8 Gbit/s compressing is predicted
     # within a few per cent of plain; at 200 Mbit/s it pays, at ranks near each other.
     m = job(link)
     plans = planner.candidates(m, LADDER)
     assert len(plans) >= 2
-    truths = [planner.predict(m, p) for p in plans]
-    found = {tuple(plan) for plan, _ in picks(plans, truths, planner.predict(m, [PLAIN] * 4))}
+    truths = [stepmodel.predict(m, p) for p in plans]
+    found = {tuple(plan) for plan, _ in picks(plans, truths, stepmodel.predict(m, [PLAIN] * 4))}
     assert len(found) == 1, found
 
 
 def test_a_failing_bucket_moves_one_rank_up_within_the_budget_only():
     m = job(SLOW, work_s=0.0001)
     plan = [1, 1, 1, 1]
-    budget = planner.predict(m, plan) * 1.03
+    budget = stepmodel.predict(m, plan) * 1.03
     raised = planner.raise_failing(m, plan, failing=[2], budget_s=budget)
     assert raised == [1, 1, 2, 1]
     # A budget the raise would exceed: no change.
     expensive = job(SLOW, work_s=0.2)
-    tight = planner.predict(expensive, plan)
+    tight = stepmodel.predict(expensive, plan)
     assert planner.raise_failing(expensive, plan, [2], tight) == plan
     # At the top of the ladder the next step is plain.
     assert planner.raise_failing(m, [8] * 4, [0], math.inf) == [PLAIN, 8, 8, 8]
@@ -236,7 +237,7 @@ def test_a_bucket_with_nothing_to_compress_is_plain_in_every_plan():
     m = Measurements((Bucket(0.05, 1e3, {}), *job(SLOW).buckets[1:]), 0.08, 0.15, FAST).with_link(
         SLOW
     )
-    assert planner.uniform(m, 4) == [PLAIN, 4, 4, 4]
+    assert stepmodel.uniform(m, 4) == [PLAIN, 4, 4, 4]
     assert planner.choose(m, [1, 2, 4, 8])[0] == PLAIN
 
 
@@ -252,10 +253,10 @@ def profiled(clock, workers=2, fitted=None):
     its one-rank all-reduces (which, timed on the host, absorbed the device's lag).
     """
     forward_s, optimizer_s = 0.015, 0.002
-    link = FAST if workers > 1 else planner.FREE
+    link = FAST if workers > 1 else stepmodel.FREE
     device = [0.005 * (b + 1) for b in range(4)]
     real = Measurements(tuple(Bucket(r, 4 * MB) for r in device), device[-1], 1.0, link, 2, 0.0)
-    window = planner.predict(real, [PLAIN] * 4)  # the device's first gradient to last arrival
+    window = stepmodel.predict(real, [PLAIN] * 4)  # the device's first gradient to last arrival
     step_s = forward_s + window + optimizer_s
     ready, span = (
         (device, window)
@@ -273,19 +274,21 @@ def test_a_profile_timed_by_the_host_of_a_lagging_device_does_not_add_up(workers
     assert good.consistency() == pytest.approx(1.0) and good.step_s == bad.step_s
     # The model sees the optimizer's 2 ms, the hooks' 2 ms and the all-reduces after
     # them: a sixth of the 38 ms step or less.
-    assert bad.consistency() < planner.CONSISTENT[0]
+    assert bad.consistency() < stepmodel.CONSISTENT[0]
     # Corrected: its rest of the step is what the window the model sees leaves of the step.
     fixed = bad.corrected()
     plain = [PLAIN] * 4
-    assert planner.predict(fixed.with_link(fixed.measured_on()), plain) == pytest.approx(bad.step_s)
+    assert stepmodel.predict(fixed.with_link(fixed.measured_on()), plain) == pytest.approx(
+        bad.step_s
+    )
     assert fixed.consistency() == pytest.approx(1.0) and fixed.backward_s == bad.backward_s
 
 
 def test_one_workers_fitted_link_hides_the_lag_unless_the_profile_says_it_sent_nothing():
     # Its one-rank all-reduces, timed on the host, waited for the device: 8 ms each.
-    lagging = Link(latency_s=0.008, bytes_per_s=math.inf)
+    lagging = Hop(latency_s=0.008, bytes_per_s=math.inf)
     bad = profiled("host", workers=1, fitted=lagging)
-    assert bad.measured_on() == planner.FREE and bad.consistency() < planner.CONSISTENT[0]
+    assert bad.measured_on() == stepmodel.FREE and bad.consistency() < stepmodel.CONSISTENT[0]
     unknown = dataclasses.replace(bad, workers=None)  # a profile that does not say
     assert unknown.measured_on() == lagging and 0.9 < unknown.consistency() < 1.1
     # The JSON keeps how many workers took it; a profile without the field reads as None.
@@ -297,9 +300,9 @@ def test_one_workers_fitted_link_hides_the_lag_unless_the_profile_says_it_sent_n
 
 def test_a_synthetic_profile_adds_up_on_its_own_link_by_construction():
     # rest_s None: derived on its link, so it adds up there, whatever the link...
-    for link in (FAST, Link(1e-4, 1e9)):
+    for link in (FAST, Hop(1e-4, 1e9)):
         assert Measurements(job(link).buckets, 0.08, 0.15, link).consistency() == pytest.approx(1)
     # ...unless the modelled window alone is longer than the step: the rest is 0, not less.
     short = Measurements(job(SLOW).buckets, 0.08, 0.15, SLOW, rest_s=None, workers=2)
-    assert short.rest_s == 0.0 and short.consistency() > planner.CONSISTENT[1]
+    assert short.rest_s == 0.0 and short.consistency() > stepmodel.CONSISTENT[1]
     assert short.corrected() == short

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from horovod_powersgd import collectives, planner, shares
+from horovod_powersgd import collectives, shares, stepmodel
 from horovod_powersgd.bench import scale
 from horovod_powersgd.collectives import Cluster, ClusterLink, Hop
 
@@ -82,15 +82,15 @@ def test_cluster_text_and_bad_text():
         c.with_workers(12)
 
 
-def profile(rounds=2) -> planner.Measurements:
+def profile(rounds=2) -> stepmodel.Measurements:
     """A small job: 3 buckets of 4 MB; rank 2 sends 1 % of the bytes for 5 ms of work each."""
-    option = planner.Option(compress_s=0.002, work_s=0.005, round1_bytes=2e4, round2_bytes=2e4)
+    option = stepmodel.Option(compress_s=0.002, work_s=0.005, round1_bytes=2e4, round2_bytes=2e4)
     buckets = tuple(
-        planner.Bucket(ready_s=0.01 * (i + 1), plain_bytes=4e6, options={2: option})
+        stepmodel.Bucket(ready_s=0.01 * (i + 1), plain_bytes=4e6, options={2: option})
         for i in range(3)
     )
-    link = planner.Link(latency_s=1e-4, bytes_per_s=1e9)
-    return planner.Measurements(buckets, backward_s=0.03, step_s=0.08, link=link, rounds=rounds)
+    link = Hop(latency_s=1e-4, bytes_per_s=1e9)
+    return stepmodel.Measurements(buckets, backward_s=0.03, step_s=0.08, link=link, rounds=rounds)
 
 
 def test_a_cluster_link_that_costs_what_the_measured_link_costs_predicts_the_same():
@@ -98,20 +98,22 @@ def test_a_cluster_link_that_costs_what_the_measured_link_costs_predicts_the_sam
     # One node of 2 workers: a ring all-reduce is 2 latencies + n / bandwidth.
     same = ClusterLink(Cluster(1, 2, Hop(0.5e-4, 1e9), Hop(1, 1)))
     for plan in ([0, 0, 0], [2, 2, 2], [0, 2, 0]):
-        assert planner.predict(m.with_link(same), plan) == pytest.approx(planner.predict(m, plan))
+        assert stepmodel.predict(m.with_link(same), plan) == pytest.approx(
+            stepmodel.predict(m, plan)
+        )
 
 
 def test_a_profile_round_trips_through_json_and_scales():
     m = profile()
-    back = planner.Measurements.from_dict(json.loads(json.dumps(m.to_dict())))
+    back = stepmodel.Measurements.from_dict(json.loads(json.dumps(m.to_dict())))
     for plan in ([0, 0, 0], [2, 2, 2]):
-        assert planner.predict(back, plan) == pytest.approx(planner.predict(m, plan))
+        assert stepmodel.predict(back, plan) == pytest.approx(stepmodel.predict(m, plan))
     # On a link that costs nothing, the whole step is local work: half the time, half the step.
-    free = planner.Link(latency_s=0.0, bytes_per_s=math.inf)
+    free = Hop(latency_s=0.0, bytes_per_s=math.inf)
     half = m.scaled(0.5).with_link(free)
     for plan in ([0, 0, 0], [2, 2, 2]):
-        assert planner.predict(half, plan) == pytest.approx(
-            0.5 * planner.predict(m.with_link(free), plan)
+        assert stepmodel.predict(half, plan) == pytest.approx(
+            0.5 * stepmodel.predict(m.with_link(free), plan)
         )
 
 
@@ -148,10 +150,10 @@ def test_hierarchical_powersgd_step_worked_by_hand():
     """A profile without tensor sizes: the work halves, the factors cross in halves sharing
     the NIC, the node's reduce-scatter precedes the work, its all-gather follows the
     rounds on the same queue of collectives."""
-    option = planner.Option(compress_s=0.002, work_s=0.006, round1_bytes=2e4, round2_bytes=1e4)
-    bucket = planner.Bucket(ready_s=0.01, plain_bytes=4e6, options={2: option})
-    link = planner.Link(latency_s=1e-4, bytes_per_s=1e9)
-    m = planner.Measurements((bucket,), backward_s=0.01, step_s=0.05, link=link, rest_s=0.04)
+    option = stepmodel.Option(compress_s=0.002, work_s=0.006, round1_bytes=2e4, round2_bytes=1e4)
+    bucket = stepmodel.Bucket(ready_s=0.01, plain_bytes=4e6, options={2: option})
+    link = Hop(latency_s=1e-4, bytes_per_s=1e9)
+    m = stepmodel.Measurements((bucket,), backward_s=0.01, step_s=0.05, link=link, rest_s=0.04)
     intra, inter = Hop(1e-6, 1e10), Hop(1e-4, 1e8)
     c = Cluster(nodes=2, per_node=2, intra=intra, inter=inter)
     inside = 1e-6 + 0.5 * 4e6 / 1e10  # reduce-scatter (and all-gather) over the node's 2
@@ -163,9 +165,9 @@ def test_hierarchical_powersgd_step_worked_by_hand():
     leaves = 0.01 + inside + 0.002 / 2
     link_done = leaves + across(2e4) + across(1e4) + inside
     expected = 0.04 + max(0.01 + 0.006 / 2, link_done)
-    (even,) = scale.hierarchical(m, c)
-    assert planner.predict(even, [2]) == pytest.approx(expected)
-    assert scale.hierarchical_s(m, c, 2) == pytest.approx(expected)
+    (even,) = stepmodel.hierarchical(m, c)
+    assert stepmodel.predict(even, [2]) == pytest.approx(expected)
+    assert stepmodel.hierarchical_s(m, c, 2) == pytest.approx(expected)
     # The scale CLI's table has it for clusters of several nodes of several workers only.
     assert "powersgd-hier-r2" in scale.predictions(m, c)
     assert "powersgd-hier-r2" not in scale.predictions(m, Cluster(1, 2, intra, inter))
@@ -177,12 +179,12 @@ def test_hierarchical_powersgd_shares_the_tensors_as_the_library_does():
     reduced whole in the node: a tie at L = 2), bucket B two equal ones (one each,
     scattered). Each share's work is its part of the compressed elements, its bytes
     its tensors' factors; the step is the slowest share's."""
-    big = planner.Tensor(numel=10**6, element_bytes=4, wire_bytes=4e6, factors={2: (8e3, 4e3)})
-    small = planner.Tensor(numel=10**5, element_bytes=4, wire_bytes=4e5, factors={2: (800, 400)})
-    a = planner.Bucket(0.01, 4e6, {2: planner.Option(0.004, 0.01, 8e3, 4e3)}, (big,))
-    b = planner.Bucket(0.02, 8e5, {2: planner.Option(0.002, 0.004, 1600, 800)}, (small, small))
-    link = planner.Link(latency_s=1e-4, bytes_per_s=1e9)
-    m = planner.Measurements((a, b), backward_s=0.02, step_s=0.1, link=link, rest_s=0.05)
+    big = stepmodel.Tensor(numel=10**6, element_bytes=4, wire_bytes=4e6, factors={2: (8e3, 4e3)})
+    small = stepmodel.Tensor(numel=10**5, element_bytes=4, wire_bytes=4e5, factors={2: (800, 400)})
+    a = stepmodel.Bucket(0.01, 4e6, {2: stepmodel.Option(0.004, 0.01, 8e3, 4e3)}, (big,))
+    b = stepmodel.Bucket(0.02, 8e5, {2: stepmodel.Option(0.002, 0.004, 1600, 800)}, (small, small))
+    link = Hop(latency_s=1e-4, bytes_per_s=1e9)
+    m = stepmodel.Measurements((a, b), backward_s=0.02, step_s=0.1, link=link, rest_s=0.05)
     c = Cluster(nodes=2, per_node=2, intra=Hop(1e-6, 1e9), inter=Hop(1e-4, 1e8))
     assert shares.owners([[10**6], [10**5, 10**5]], 2) == [[0], [1, 0]]
     whole = 2 * 1e-6 + 4e6 / 1e9  # a 2-worker ring all-reduce of bucket A (twice)
@@ -203,12 +205,12 @@ def test_hierarchical_powersgd_shares_the_tensors_as_the_library_does():
     start = max(0.02, link1) + rows
     link1 = start + 0.001 + across(800) + across(400) + rows
     share1 = 0.05 + max(0.02 + 0.002, link1)
-    zero, one = scale.hierarchical(m, c)
-    assert planner.predict(zero, [2, 2]) == pytest.approx(share0)
-    assert planner.predict(one, [2, 2]) == pytest.approx(share1)
-    assert scale.hierarchical_s(m, c, 2) == pytest.approx(max(share0, share1)) == share0
+    zero, one = stepmodel.hierarchical(m, c)
+    assert stepmodel.predict(zero, [2, 2]) == pytest.approx(share0)
+    assert stepmodel.predict(one, [2, 2]) == pytest.approx(share1)
+    assert stepmodel.hierarchical_s(m, c, 2) == pytest.approx(max(share0, share1)) == share0
     # The profile's JSON keeps the tensors.
-    again = planner.Measurements.from_dict(json.loads(json.dumps(m.to_dict())))
+    again = stepmodel.Measurements.from_dict(json.loads(json.dumps(m.to_dict())))
     assert again.buckets[1].tensors == (small, small)
 
 
@@ -221,19 +223,19 @@ def test_compute_under_compression_comes_from_the_jobs_own_compressed_steps(tmp_
     truth = 1.4
     timed = [2, 2, 2]
     # Its messages at the fitted bandwidth, without the fitted latency (docstring).
-    bytes_only = m.with_link(planner.Link(0.0, m.link.bytes_per_s))
+    bytes_only = m.with_link(Hop(0.0, m.link.bytes_per_s))
     trials = [
-        {"plan": [0, 0, 0], "step_s": 3 * planner.predict(m, [0, 0, 0])},  # plain: ignored
+        {"plan": [0, 0, 0], "step_s": 3 * stepmodel.predict(m, [0, 0, 0])},  # plain: ignored
         {"plan": [0, 2, 2], "step_s": 9.0},  # a plain bucket: the link's time, ignored
-        {"plan": timed, "step_s": planner.predict(bytes_only.scaled(truth), timed)},
+        {"plan": timed, "step_s": stepmodel.predict(bytes_only.scaled(truth), timed)},
     ]
-    assert scale.compute_under_compression(m, trials) == pytest.approx(truth, rel=1e-6)
-    assert scale.compute_under_compression(m, trials[:2]) is None
+    assert stepmodel.compute_under_compression(m, trials) == pytest.approx(truth, rel=1e-6)
+    assert stepmodel.compute_under_compression(m, trials[:2]) is None
     c = Cluster(2, 2, Hop(1e-6, 1e10), Hop(1e-4, 1e8))
     base, squeezed = scale.predictions(m, c), scale.predictions(m, c, compressed_compute=truth)
     assert squeezed["horovod"] == base["horovod"]
     on = m.scaled(truth).with_link(ClusterLink(c))
-    assert squeezed["powersgd-r2"] == pytest.approx(planner.predict(on, planner.uniform(on, 2)))
+    assert squeezed["powersgd-r2"] == pytest.approx(stepmodel.predict(on, stepmodel.uniform(on, 2)))
     assert squeezed["powersgd-hier-r2"] > base["powersgd-hier-r2"]
     path = tmp_path / "profile.json"
     path.write_text(json.dumps({**m.to_dict(), "trials": trials}))

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from horovod_powersgd import planner
+from horovod_powersgd import stepmodel
 from horovod_powersgd.bench import scale
+from horovod_powersgd.collectives import Hop
 
 CLUSTER = "1x8,intra=100GB/2us,inter=25gbit/20us"
 STORED = Path(__file__).resolve().parents[2] / "docs" / "results"
@@ -18,14 +19,14 @@ STORED = Path(__file__).resolve().parents[2] / "docs" / "results"
 
 def good_profile() -> dict:
     """Two buckets, rank 2, the first with its tensor's sizes; auto's trial of rank 2."""
-    option = planner.Option(compress_s=0.002, work_s=0.005, round1_bytes=2e4, round2_bytes=2e4)
-    tensor = planner.Tensor(numel=10**6, element_bytes=4, wire_bytes=4e6, factors={2: (8e3, 4e3)})
+    option = stepmodel.Option(compress_s=0.002, work_s=0.005, round1_bytes=2e4, round2_bytes=2e4)
+    tensor = stepmodel.Tensor(numel=10**6, element_bytes=4, wire_bytes=4e6, factors={2: (8e3, 4e3)})
     buckets = (
-        planner.Bucket(0.01, 4e6, {2: option}, (tensor,)),
-        planner.Bucket(0.02, 4e6, {2: option}),
+        stepmodel.Bucket(0.01, 4e6, {2: option}, (tensor,)),
+        stepmodel.Bucket(0.02, 4e6, {2: option}),
     )
-    link = planner.Link(latency_s=1e-4, bytes_per_s=1e9)
-    m = planner.Measurements(buckets, backward_s=0.02, step_s=0.08, link=link)
+    link = Hop(latency_s=1e-4, bytes_per_s=1e9)
+    m = stepmodel.Measurements(buckets, backward_s=0.02, step_s=0.08, link=link)
     return {**m.to_dict(), "trials": [{"plan": [2, 2], "step_s": 0.06}]}
 
 
@@ -234,16 +235,16 @@ def test_the_module_ends_with_one_line_and_no_traceback(tmp_path):
 
 def test_a_profile_carries_its_format_and_one_from_before_the_field_still_reads():
     data = good_profile()
-    assert data["format"] == planner.PROFILE_FORMAT == 1
+    assert data["format"] == stepmodel.PROFILE_FORMAT == 1
     before = {k: v for k, v in data.items() if k != "format"}
-    assert planner.Measurements.from_dict(before) == planner.Measurements.from_dict(data)
+    assert stepmodel.Measurements.from_dict(before) == stepmodel.Measurements.from_dict(data)
     # The profiles docs/ cites were written before the field (some before tensor sizes,
     # or the hierarchical stages of an option): each reads, and reads back the same.
     stored = sorted(STORED.glob("**/*-profile.json"))
     assert len(stored) >= 30 and not any("format" in json.loads(p.read_text()) for p in stored)
     for path in stored:
-        m = planner.Measurements.from_dict(json.loads(path.read_text()))
-        assert planner.Measurements.from_dict(json.loads(json.dumps(m.to_dict()))) == m, path
+        m = stepmodel.Measurements.from_dict(json.loads(path.read_text()))
+        assert stepmodel.Measurements.from_dict(json.loads(json.dumps(m.to_dict()))) == m, path
 
 
 H200 = ["h200-gpt2-profile.json", "h200-resnet50-profile.json"]
@@ -252,9 +253,9 @@ H200 = ["h200-gpt2-profile.json", "h200-resnet50-profile.json"]
 def test_every_stored_profile_adds_up_but_the_h200_ones():
     # docs/results/'s profiles taken on CPUs give 0.875-1.32 (docs/scale.md); the two
     # taken by one rank on an H200 before the tuner timed the device, 0.52 and 0.63.
-    low, high = planner.CONSISTENT
+    low, high = stepmodel.CONSISTENT
     ratios = {
-        path.name: planner.Measurements.from_dict(json.loads(path.read_text())).consistency()
+        path.name: stepmodel.Measurements.from_dict(json.loads(path.read_text())).consistency()
         for path in sorted(STORED.glob("**/*-profile.json"))
     }
     assert len(ratios) >= 30

@@ -1,0 +1,69 @@
+"""The step model (stepmodel.py): what it reads back, and the rule of what a gradient sends."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from horovod_powersgd import stepmodel
+from horovod_powersgd.collectives import Hop
+from horovod_powersgd.config import PowerSGDConfig
+from horovod_powersgd.stepmodel import Bucket, Measurements, Option, Tensor
+
+
+def measured() -> Measurements:
+    option = Option(0.002, 0.005, 2e4, 1e4, 0.001, 0.0005)
+    tensor = Tensor(10**6, 4, 4e6, {2: (8e3, 4e3)})
+    buckets = (Bucket(0.01, 4e6, {2: option}, (tensor,)), Bucket(0.02, 4e6, {1: option, 2: option}))
+    return Measurements(buckets, 0.02, 0.08, Hop(1e-4, math.inf), 2, 0.03, workers=3)
+
+
+def old_checkpoint(m: Measurements) -> dict:
+    """rank="auto"'s measurements as a checkpoint held them before they were kept as a
+    profile (tuner.py's own layout, written here as it wrote it)."""
+    return {
+        "buckets": [
+            [b.ready_s, b.plain_bytes, [[r, *dataclasses.astuple(o)] for r, o in b.options.items()]]
+            for b in m.buckets
+        ],
+        "backward_s": m.backward_s,
+        "step_s": m.step_s,
+        "rest_s": m.rest_s,
+        "link": [m.link.latency_s, m.link.bytes_per_s],
+    }
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_a_checkpoint_written_before_the_one_layout_still_loads(rounds):
+    m = measured()
+    back = Measurements.from_dict(old_checkpoint(m), rounds)
+    # What that layout kept, and the schedule of the job that resumes.
+    kept = [dataclasses.replace(b, tensors=()) for b in m.buckets]
+    assert back == dataclasses.replace(m, buckets=tuple(kept), rounds=rounds, workers=None)
+    plan = [2, 1]
+    assert stepmodel.predict(back, plan) == stepmodel.predict(
+        dataclasses.replace(m, rounds=rounds), plan
+    )
+
+
+def test_a_checkpoints_plan_is_a_profile_read_for_the_resumed_schedule():
+    m = measured()
+    state = json.loads(json.dumps(m.to_dict()))  # what torch.save keeps is the same dict
+    assert Measurements.from_dict(state, m.rounds) == m == Measurements.from_dict(state)
+    assert Measurements.from_dict(state, 1).rounds == 1
+
+
+@pytest.mark.parametrize(
+    "shape", [(64, 32, 3, 3), (10, 10), (1000, 3), (64,), (0, 5), (5, 0, 2), (7, 1), (512, 512)]
+)
+@pytest.mark.parametrize("rank", [1, 2, 4, 64])
+@pytest.mark.parametrize("rate", [0.5, 1.0, 2.0])
+def test_the_library_and_the_model_compress_the_same_gradients(shape, rank, rate):
+    config = PowerSGDConfig(rank=rank, min_compression_rate=rate)
+    found = stepmodel.factor_sizes(shape, rank, rate)
+    assert config.compresses(shape) == (found is not None)
+    if found:
+        n, m = shape[0], math.prod(shape[1:])
+        r = config.matrix_rank(n, m)
+        assert found == (r * n, r * m)
