@@ -19,7 +19,7 @@ import horovod.torch as hvd
 import torch
 from horovod.common.exceptions import HorovodInternalError
 from horovod.torch import optimizer as _hvd_optimizer
-from horovod.torch.compression import FP16Compressor
+from horovod.torch.compression import FP16Compressor, NoneCompressor
 from horovod.torch.elastic import state as _elastic_state
 
 from .config import COMM_DTYPES
@@ -175,6 +175,13 @@ def is_fp16(compression) -> bool:
     ) or isinstance(compression, FP16Compressor)
 
 
+def is_elementwise(compression) -> bool:
+    """Whether `compression` is one of Horovod's own (none, float16), which act on each
+    element alone: a flat tensor of several gradients compresses as they would alone."""
+    kind = compression if isinstance(compression, type) else type(compression)
+    return kind in (NoneCompressor, FP16Compressor)  # a subclass may do otherwise
+
+
 def register_state_handler(optimizer_type: type, handler: type) -> None:
     """Make hvd.elastic.TorchState sync optimizers of `optimizer_type` with `handler`."""
     # TorchState picks the first handler whose type matches: ours first.
@@ -306,6 +313,10 @@ class Comm:
         """The aggregate of a `to_wire` tensor (the caller copies it into p.grad)."""
         return tensor if ctx is _CAST else self.compression.decompress(tensor, ctx)
 
+    def pack(self, grads: list[torch.Tensor], comm_dtype: torch.dtype | None) -> Packed:
+        """`grads` that travel uncompressed, ready for the wire: one flat tensor per dtype."""
+        return Packed(self, grads, comm_dtype)
+
     # --- now and then ---------------------------------------------------------------
     def allgather(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Every rank's `tensor`, stacked along the first dimension in set-rank order."""
@@ -347,6 +358,72 @@ class Comm:
             wait(handle)
         for t, wire in copies:  # a non-contiguous tensor travelled as a copy
             t.copy_(wire.view(t.dtype).view(t.shape))
+
+
+class Packed:
+    """Gradients that travel as they are, one flat tensor per dtype on the wire.
+
+    A bucket's uncompressed gradients (a ResNet-50's 107 biases and norms) leave
+    as one Horovod request a dtype instead of one a tensor: one copy in and one
+    out (`torch._foreach_copy_`, a few launches on CUDA), the wire's cast or the
+    user's compression once. A dtype with one tensor sends that tensor itself,
+    in place. The order of the flat tensors is the gradients' first appearance,
+    the same on every rank. A user's own Horovod compressor, which may look at
+    a tensor as a whole (a scale per tensor), gets each gradient alone, as in
+    Horovod; Horovod's none and float16 act element by element, so they pack.
+
+    Args:
+        comm: the `Comm` whose wire format (`to_wire`) they take.
+        grads: the gradients, in the bucket's order.
+        comm_dtype: the compressed step's wire dtype, or None (the user's compression).
+    """
+
+    def __init__(self, comm: Comm, grads: list[torch.Tensor], comm_dtype: torch.dtype | None):
+        self.comm = comm
+        kinds: dict = {}
+        alone = comm_dtype is None and not is_elementwise(comm.compression)
+        for i, g in enumerate(grads):
+            kinds.setdefault(i if alone else (g.dtype, g.device), []).append(i)
+        self.groups = []  # (indices, shapes, sizes, dtype, ctx)
+        self.tensors = []  # to all-reduce in place, one a group
+        for indices in kinds.values():
+            members = [grads[i] for i in indices]
+            shapes, sizes = [g.shape for g in members], [g.numel() for g in members]
+            dtype = members[0].dtype
+            if len(members) == 1:
+                flat = members[0]
+            else:
+                flat = torch.empty(sum(sizes), dtype=dtype, device=members[0].device)
+                torch._foreach_copy_(_pieces(flat, shapes, sizes), members)
+            wire, ctx = comm.to_wire(flat, comm_dtype)
+            self.groups.append((indices, shapes, sizes, dtype, ctx))
+            self.tensors.append(wire)
+
+    def write(self, outputs: list[torch.Tensor], targets: list) -> list[torch.Tensor]:
+        """The aggregates (`outputs`: the all-reduced `tensors`) into `targets`, the
+        gradients as they are now (a None target gets a new tensor); returns them."""
+        out, into, pieces = list(targets), [], []
+        for (indices, shapes, sizes, dtype, ctx), result in zip(self.groups, outputs):
+            flat = self.comm.from_wire(result, ctx)
+            if len(indices) > 1 and flat.dtype != dtype:
+                flat = flat.to(dtype)  # one cast, and the copies stay on the fast path
+            for i, piece in zip(indices, _pieces(flat, shapes, sizes)):
+                if out[i] is None:
+                    out[i] = piece.to(dtype) if piece.dtype != dtype else piece.clone()
+                elif piece is not out[i]:
+                    into.append(out[i])
+                    pieces.append(piece)
+        if into:
+            torch._foreach_copy_(into, pieces)
+        return out
+
+
+def _pieces(flat: torch.Tensor, shapes: list, sizes: list[int]) -> list[torch.Tensor]:
+    """Views of `flat`, one per shape (`flat` itself where it is a lone tensor)."""
+    if len(shapes) == 1 and flat.shape == shapes[0]:
+        return [flat]
+    pieces = flat.split(sizes)  # one op; a piece of a vector's shape needs no view of its own
+    return [p if p.shape == shape else p.view(shape) for p, shape in zip(pieces, shapes)]
 
 
 class Collective:

@@ -340,10 +340,11 @@ class HierarchicalReducer(Reducer):
                 bucket.index, bucket.names, [mine[p] for p in bucket.compressed]
             )
         cross = self.hierarchy.cross
-        bucket.sent = [(p, *cross.to_wire(mine[p], self.comm_dtype)) for p in bucket.shared_plain]
+        bucket.sent = bucket.shared_plain
+        bucket.packed = cross.pack([mine[p] for p in bucket.shared_plain], self.comm_dtype)
         factors = self.compressor.send_buffers(bucket.index)
         bucket.factor_count = len(factors)
-        tensors = factors + [t for _, t, _ in bucket.sent]
+        tensors = factors + bucket.packed.tensors
         if not tensors:  # nothing of this bucket is this share's
             bucket.received = []
             return self._gather(bucket, [])
@@ -362,12 +363,9 @@ class HierarchicalReducer(Reducer):
 
     def _gather(self, bucket: NodeBucket, factors) -> None:
         """Stage 4: the share's aggregate into its section; the sections all-gathered."""
-        for (p, _, ctx), out in zip(bucket.sent, bucket.received):
-            out = self.hierarchy.cross.from_wire(out, ctx)
-            view = bucket.share_views[p]
-            if out is not view:
-                view.copy_(out)
-        bucket.sent = []
+        if bucket.packed is not None:
+            bucket.packed.write(bucket.received, [bucket.share_views[p] for p in bucket.sent])
+        bucket.sent, bucket.packed = [], None
         if bucket.factor_count:
             out = {self.names[p]: bucket.share_views[p] for p in bucket.compressed}
             self.compressor.decompress(list(factors), out=out, bucket=bucket.index)

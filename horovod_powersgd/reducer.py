@@ -49,8 +49,9 @@ class Bucket:
     def clear(self) -> None:
         self.ready = 0  # gradients final this step
         self.handles: list = []  # round 1's (hierarchical: each stage's in turn)
-        # Uncompressed tensors of round 1: (parameter, tensor sent, wire ctx).
-        self.sent: list = []
+        # Round 1's uncompressed gradients: their parameters, and them packed for the wire.
+        self.sent: list[torch.Tensor] = []
+        self.packed = None
         self.factor_count = 0  # leading tensors of round 1 that are P/Q buffers
         # Round 1's results once back: the uncompressed, and the factors (rounds=2,
         # compressed: this worker's Q buffers, once projected).
@@ -198,10 +199,11 @@ class Reducer:
         # comm_dtype (where one is set), the uncompressed gradients included.
         plain = bucket.uncompressed if self.compressing else bucket.dense
         comm_dtype = self.comm_dtype if self.compressing and not bucket.plain else None
-        bucket.sent = [(p, *self.comm.to_wire(p.grad, comm_dtype)) for p in plain]
+        bucket.sent = plain
+        bucket.packed = self.comm.pack([p.grad for p in plain], comm_dtype)
         factors = self.compressor.send_buffers(bucket.index) if self.compressing else []
         bucket.factor_count = len(factors)
-        tensors = factors + [t for _, t, _ in bucket.sent]
+        tensors = factors + bucket.packed.tensors
         bucket.handles = [self.comm.allreduce_async(tensors, f"b{bucket.index}.r1")]
         self.launched.append(bucket)
 
@@ -211,13 +213,11 @@ class Reducer:
         Into the gradient as it is now, like Horovod: code that assigned a new
         tensor to `p.grad` after backward (e.g. a clamp) gets the result there.
         """
-        for (p, _, ctx), out in zip(bucket.sent, outputs):
-            out = self.comm.from_wire(out, ctx)
+        grads = bucket.packed.write(outputs, [p.grad for p in bucket.sent])
+        for p, grad in zip(bucket.sent, grads):
             if p.grad is None:
-                p.grad = out.to(p.dtype)
-            elif out is not p.grad:
-                p.grad.copy_(out)
-        bucket.sent = []
+                p.grad = grad
+        bucket.sent, bucket.packed = [], None
 
     def _decompress(self, bucket: Bucket, factors) -> None:
         """The bucket's compressed gradients, written into `p.grad` as it is now."""

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from horovod_powersgd import reducer as reducer_module
+from horovod_powersgd.comm import Compression, Packed
 from horovod_powersgd.compressor import PowerSGDCompressor, local_step
 from horovod_powersgd.config import PowerSGDConfig
 from horovod_powersgd.reducer import Reducer, make_buckets
@@ -18,6 +19,7 @@ class Loopback:
     """One worker's collectives: every sum is the tensor itself."""
 
     size = 1
+    compression = Compression.none
 
     def allreduce_async(self, tensors, name):
         return tensors
@@ -33,6 +35,9 @@ class Loopback:
 
     def from_wire(self, tensor, ctx):
         return tensor
+
+    def pack(self, grads, comm_dtype):
+        return Packed(self, grads, comm_dtype)
 
 
 def _compressor(params, names, buckets, rounds):
