@@ -361,69 +361,44 @@ class Comm:
 
 
 class Packed:
-    """Gradients that travel as they are, one flat tensor per dtype on the wire.
+    """Gradients that travel as they are: one flat tensor on the wire, where they can.
 
     A bucket's uncompressed gradients (a ResNet-50's 107 biases and norms) leave
-    as one Horovod request a dtype instead of one a tensor: one copy in and one
-    out (`torch._foreach_copy_`, a few launches on CUDA), the wire's cast or the
-    user's compression once. A dtype with one tensor sends that tensor itself,
-    in place. The order of the flat tensors is the gradients' first appearance,
-    the same on every rank. A user's own Horovod compressor, which may look at
-    a tensor as a whole (a scale per tensor), gets each gradient alone, as in
-    Horovod; Horovod's none and float16 act element by element, so they pack.
+    as one Horovod request instead of one a tensor: one copy in (`torch.cat`)
+    and one out (`torch._foreach_copy_`), the wire's cast or the user's
+    compression once. Each travels alone, as in Horovod, where they differ in
+    dtype or device, and where the user's own Horovod compressor may look at a
+    tensor as a whole (a scale per tensor): Horovod's none and float16 act
+    element by element, so they pack.
 
     Args:
         comm: the `Comm` whose wire format (`to_wire`) they take.
-        grads: the gradients, in the bucket's order.
+        grads: the gradients, in the bucket's order (the same on every rank).
         comm_dtype: the compressed step's wire dtype, or None (the user's compression).
     """
 
     def __init__(self, comm: Comm, grads: list[torch.Tensor], comm_dtype: torch.dtype | None):
-        self.comm = comm
-        kinds: dict = {}
-        alone = comm_dtype is None and not is_elementwise(comm.compression)
-        for i, g in enumerate(grads):
-            kinds.setdefault(i if alone else (g.dtype, g.device), []).append(i)
-        self.groups = []  # (indices, shapes, sizes, dtype, ctx)
-        self.tensors = []  # to all-reduce in place, one a group
-        for indices in kinds.values():
-            members = [grads[i] for i in indices]
-            shapes, sizes = [g.shape for g in members], [g.numel() for g in members]
-            dtype = members[0].dtype
-            if len(members) == 1:
-                flat = members[0]
-            else:
-                flat = torch.empty(sum(sizes), dtype=dtype, device=members[0].device)
-                torch._foreach_copy_(_pieces(flat, shapes, sizes), members)
-            wire, ctx = comm.to_wire(flat, comm_dtype)
-            self.groups.append((indices, shapes, sizes, dtype, ctx))
-            self.tensors.append(wire)
+        self.comm, self.grads = comm, grads
+        alike = len({(g.dtype, g.device) for g in grads}) == 1
+        self.flat = len(grads) > 1 and alike and (comm_dtype or is_elementwise(comm.compression))
+        sent = grads
+        if self.flat:  # a vector as it is; other shapes flattened
+            sent = [torch.cat([g if g.dim() == 1 else g.reshape(-1) for g in grads])]
+        wired = [comm.to_wire(t, comm_dtype) for t in sent]
+        self.tensors, self.ctxs = [t for t, _ in wired], [c for _, c in wired]
 
     def write(self, outputs: list[torch.Tensor], targets: list) -> list[torch.Tensor]:
         """The aggregates (`outputs`: the all-reduced `tensors`) into `targets`, the
         gradients as they are now (a None target gets a new tensor); returns them."""
-        out, into, pieces = list(targets), [], []
-        for (indices, shapes, sizes, dtype, ctx), result in zip(self.groups, outputs):
-            flat = self.comm.from_wire(result, ctx)
-            if len(indices) > 1 and flat.dtype != dtype:
-                flat = flat.to(dtype)  # one cast, and the copies stay on the fast path
-            for i, piece in zip(indices, _pieces(flat, shapes, sizes)):
-                if out[i] is None:
-                    out[i] = piece.to(dtype) if piece.dtype != dtype else piece.clone()
-                elif piece is not out[i]:
-                    into.append(out[i])
-                    pieces.append(piece)
-        if into:
-            torch._foreach_copy_(into, pieces)
-        return out
-
-
-def _pieces(flat: torch.Tensor, shapes: list, sizes: list[int]) -> list[torch.Tensor]:
-    """Views of `flat`, one per shape (`flat` itself where it is a lone tensor)."""
-    if len(shapes) == 1 and flat.shape == shapes[0]:
-        return [flat]
-    pieces = flat.split(sizes)  # one op; a piece of a vector's shape needs no view of its own
-    return [p if p.shape == shape else p.view(shape) for p, shape in zip(pieces, shapes)]
+        results = [self.comm.from_wire(t, ctx) for t, ctx in zip(outputs, self.ctxs)]
+        if self.flat:  # one cast back, if any, and views of it
+            flat = results[0].to(self.grads[0].dtype).split([g.numel() for g in self.grads])
+            results = [t if t.shape == g.shape else t.view_as(g) for t, g in zip(flat, self.grads)]
+        copies = [(t, r) for t, r in zip(targets, results) if t is not None and t is not r]
+        if copies:
+            torch._foreach_copy_([t for t, _ in copies], [r for _, r in copies])
+        return [t if t is not None else r.to(g.dtype, copy=True)
+                for t, r, g in zip(targets, results, self.grads)]  # fmt: skip
 
 
 class Collective:

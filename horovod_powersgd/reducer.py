@@ -50,8 +50,7 @@ class Bucket:
         self.ready = 0  # gradients final this step
         self.handles: list = []  # round 1's (hierarchical: each stage's in turn)
         # Round 1's uncompressed gradients: their parameters, and them packed for the wire.
-        self.sent: list[torch.Tensor] = []
-        self.packed = None
+        self.sent, self.packed = [], None
         self.factor_count = 0  # leading tensors of round 1 that are P/Q buffers
         # Round 1's results once back: the uncompressed, and the factors (rounds=2,
         # compressed: this worker's Q buffers, once projected).
@@ -215,9 +214,7 @@ class Reducer:
         """
         grads = bucket.packed.write(outputs, [p.grad for p in bucket.sent])
         for p, grad in zip(bucket.sent, grads):
-            if p.grad is None:
-                p.grad = grad
-        bucket.sent, bucket.packed = [], None
+            p.grad = grad  # itself, or a new tensor where it was None
 
     def _decompress(self, bucket: Bucket, factors) -> None:
         """The bucket's compressed gradients, written into `p.grad` as it is now."""

@@ -8,7 +8,7 @@ Not counted: the first step's agreement, the drift check every 100 steps and
 the statistics' check every 10 (this step is step 5), and the wrapped
 optimizer's own step. Three paths, each with its budget in `make lint` or tests/launch:
 
-    python scripts/step_path.py --rounds 2 1 [--markdown] [--max-lines 300]   # flat
+    python scripts/step_path.py --rounds 2 1 [--markdown] [--max-lines 320]   # flat
     python scripts/step_path.py --auto --rounds 2 1   # rank="auto", settled (a pinned link)
     # hierarchical: two nodes of two workers; rank 0 prints its path
     bash scripts/nodes/two_nodes.sh --rate none -- \

@@ -1,6 +1,6 @@
-"""comm.Packed: a bucket's uncompressed gradients leave as one flat tensor per dtype (one
-Horovod request instead of one a tensor) and come back into the gradients as they are
-then, values, shapes, strides and dtypes as if each had travelled alone."""
+"""comm.Packed: a bucket's uncompressed gradients leave as one flat tensor (one Horovod
+request instead of one a tensor) and come back into the gradients as they are then,
+values, shapes, strides and dtypes as if each had travelled alone."""
 
 import torch
 
@@ -29,22 +29,17 @@ def _reduced(packed):
     return [t * 2 for t in packed.tensors]
 
 
-def test_one_flat_tensor_a_dtype_and_every_gradient_back_in_place():
+def test_one_flat_tensor_and_every_gradient_back_in_place():
     torch.manual_seed(0)
     grads = [
         torch.randn(7),
         torch.randn(3, 4, 2, 2).to(memory_format=torch.channels_last),  # not contiguous
-        torch.randn(5, dtype=torch.float64),
         torch.randn(()),  # a scalar
         torch.randn(2, 3).t(),  # a transposed view
     ]
     inputs = [g.clone() for g in grads]
-    comm = Doubling()
-    packed = Packed(comm, grads, None)
-    assert [t.dtype for t in packed.tensors] == [torch.float32, torch.float64]
-    assert [t.dim() for t in packed.tensors] == [1, 1]  # the float32 ones, flat
-    assert packed.tensors[0].numel() == 7 + 48 + 1 + 6
-    assert packed.tensors[1] is grads[2]  # alone in its dtype: sent as itself
+    packed = Packed(Doubling(), grads, None)
+    assert len(packed.tensors) == 1 and packed.tensors[0].shape == (7 + 48 + 1 + 6,)
     out = packed.write(_reduced(packed), grads)
     for g, o, before in zip(grads, out, inputs):
         assert o is g
@@ -52,17 +47,26 @@ def test_one_flat_tensor_a_dtype_and_every_gradient_back_in_place():
     assert grads[1].is_contiguous(memory_format=torch.channels_last)
 
 
-def test_the_wire_dtype_is_applied_once_a_flat_tensor_and_cast_back():
-    grads = [torch.randn(6), torch.randn(2, 3), torch.randn(4).half()]
+def test_the_wire_dtype_is_applied_once_and_cast_back():
+    grads = [torch.randn(6), torch.randn(2, 3)]
     inputs = [g.clone() for g in grads]
     comm = Doubling()
     packed = Packed(comm, grads, torch.float16)
-    assert len(comm.wired) == 2  # one cast for both float32 gradients
-    assert all(t.dtype == torch.float16 for t in packed.tensors)
+    assert len(comm.wired) == 1 and packed.tensors[0].dtype == torch.float16  # one cast
     packed.write(_reduced(packed), grads)
     for g, before in zip(grads, inputs):
-        assert g.dtype == before.dtype
-        assert torch.equal(g, (before.half() * 2).to(before.dtype))
+        assert g.dtype == torch.float32
+        assert torch.equal(g, (before.half() * 2).float())
+
+
+def test_gradients_of_different_dtypes_each_travel_alone_in_place():
+    grads = [torch.randn(3), torch.randn(4, dtype=torch.float64), torch.randn(2).half()]
+    inputs = [g.clone() for g in grads]
+    packed = Packed(Doubling(), grads, None)
+    assert [t is g for t, g in zip(packed.tensors, grads)] == [True] * 3
+    packed.write(_reduced(packed), grads)
+    for g, before in zip(grads, inputs):
+        assert torch.equal(g, before * 2)
 
 
 def test_a_gradient_replaced_or_dropped_after_it_left_gets_the_aggregate():
