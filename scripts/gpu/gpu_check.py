@@ -16,7 +16,7 @@ time is reported as such and the others still report:
             torch's powerSGD_hook (needs no Horovod)
   contract  the user contract of tests/parallel (CONTRACT) under horovodrun, with
             `--device cuda` where there is a GPU: 1 rank (NCCL), 2 ranks (Gloo; MPI)
-  syncs     gpu_syncs.py under horovodrun (1 rank), and on CUDA
+  syncs     gpu_timing.py syncs under horovodrun (1 rank), and on CUDA
             tests/parallel/test_host_syncs.py on CUDA tensors
   e2e       gpu_timing.py e2e under horovodrun: whole steps, 1 rank; then auto's profile
 
@@ -294,11 +294,11 @@ class Kit:
         self.logs.setdefault(phase, []).append(log)
         return Job(f"{phase}/{name}", cmd, log, env or self.env(), **attributes)
 
-    def measure(self, phase, name, script, *cmd, build=None, ranks=None, env=None) -> Job:
-        """A job of one of the kit's measuring scripts, its JSON at the job's `path`: under
+    def measure(self, phase, name, command, build=None, ranks=None, env=None) -> Job:
+        """A job of gpu_timing.py's `command`, its JSON at the job's `path`: under
         horovodrun with `ranks`, else the build's python (or this one)."""
         path = os.path.join(self.work, f"{phase}-{name}.json")
-        cmd = [os.path.join(KIT, script), *cmd, "--json", path, "--size", self.size]
+        cmd = [os.path.join(KIT, "gpu_timing.py"), command, "--json", path, "--size", self.size]
         if ranks:
             return self.job(phase, name, self.horovodrun(build, ranks, *cmd), env, path=path)
         return self.job(phase, name, [self.python(build), *cmd], env, path=path)
@@ -424,7 +424,7 @@ class Kit:
     def phase_timing(self) -> None:
         # Not OMP_NUM_THREADS=1 here: this process is alone on its device.
         env = self.env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"))
-        job = self.measure("timing", "local", "gpu_timing.py", "local", build="nccl", env=env)
+        job = self.measure("timing", "local", "local", build="nccl", env=env)
         result = wait_all([job], self.budget("timing"))[0].result
         self.report["timing"] = _read_json(job.path)
         self.set_phase("timing", result["status"], result["seconds"], log=result["log_tail"])
@@ -452,7 +452,7 @@ class Kit:
         if syncs and cuda and one not in self.venvs:
             self.set_phase("syncs", "failed", note="no Horovod build with NCCL to run on")
         elif syncs:
-            jobs.append(self.measure("syncs", "probe", "gpu_syncs.py", build=one, ranks=1))
+            jobs.append(self.measure("syncs", "probe", "syncs", build=one, ranks=1))
             if cuda:  # its CUDA cases (the CPU ones ran where the kit was made)
                 test = [*PYTEST, "tests/parallel/test_host_syncs.py", "-k", "cuda or catches"]
                 jobs.append(self.job("syncs", "test", self.horovodrun(one, 1, *test)))
@@ -498,12 +498,12 @@ class Kit:
             return self.set_phase("e2e", "failed", note="no Horovod build with NCCL to run on")
         # Whole steps, then rank="auto"'s profile of each model (docs/scale.md): in the e2e
         # phase's report and log, its status only a note (the phase's verdict is the steps').
-        steps = self.measure("e2e", "steps", "gpu_timing.py", "e2e", build=build, ranks=1)
+        steps = self.measure("e2e", "steps", "e2e", build=build, ranks=1)
         steps = wait_all([steps], self.budget("e2e"))[0]
         self.report["e2e"] = _read_json(steps.path)
         result = steps.result
         self.set_phase("e2e", result["status"], result["seconds"], log=result["log_tail"])
-        profile = self.measure("e2e", "profile", "gpu_timing.py", "profile", build=build, ranks=1)
+        profile = self.measure("e2e", "profile", "profile", build=build, ranks=1)
         profile = wait_all([profile], self.budget("profile"))[0]
         self.report["profile"] = _read_json(profile.path)
         note = f"profile: {profile.result['status']} in {profile.result['seconds']:.1f} s"
@@ -864,7 +864,7 @@ def _syncs(md, report, cuda):
     syncs = report.get("syncs")
     if not syncs:
         return
-    md.text("## Host reads and syncs in training steps (gpu_syncs.py)")
+    md.text("## Host reads and syncs in training steps (gpu_timing.py syncs)")
     probe = (syncs.get("probe") or {}).get("result") or {}
     every = probe.get("drift_check_every", 20)
     for config in probe.get("configs", []):

@@ -1,9 +1,11 @@
-"""What PowerSGD's local work costs next to a step's forward and backward pass (the GPU kit's
-timing and e2e phases; models from horovod_powersgd/bench/models.py).
+"""The GPU kit's measurements (its timing, e2e and syncs phases): what PowerSGD's local work
+costs next to a step's forward and backward pass, whole steps, and the host syncs of a step
+(models from horovod_powersgd/bench/models.py).
 
     python scripts/gpu/gpu_timing.py local --json t.json --size full    # no Horovod needed
     horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu/gpu_timing.py e2e --json e.json
     horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu/gpu_timing.py profile --json p.json
+    horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu/gpu_timing.py syncs --json s.json
 
 ``local``, per model, in float32 and under bfloat16 autocast: forward+backward alone;
 PowerSGD's local work for one worker at each rank, both schedules and both
@@ -20,6 +22,12 @@ CUDA, the local work at rank 4 as one CUDA graph.
 each model (ResNet-50 fp32, GPT-2 bf16) until auto writes its profile
 (``HOROVOD_POWERSGD_PROFILE``, for ``python -m horovod_powersgd.bench.scale``, docs/scale.md).
 
+``syncs`` (1 rank): per configuration (both schedules, float32 and float16 on the wire),
+every host read of a step counted by `HostReads` (tests/parallel/host_reads.py, which
+test_host_syncs.py uses), the host's waits for Horovod's collectives and, on CUDA, what
+``torch.cuda.set_sync_debug_mode`` reports (it catches the synchronising calls of C++ code
+too), then one step in its "error" mode.
+
 Times: CUDA events on CUDA (whole steps: the wall clock, waited for), else the wall
 clock; the median of the timed iterations after warm-up.
 """
@@ -33,14 +41,21 @@ import itertools
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 import traceback
+import warnings
+from dataclasses import asdict
+from unittest import mock
 
 import torch
 
 from horovod_powersgd import linalg
 from horovod_powersgd.bench import models
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "parallel"))
+from host_reads import HostReads, repo_path
 
 MODELS = ("resnet50", "gpt2")
 PRECISIONS = ("fp32", "bf16")
@@ -373,8 +388,9 @@ def horovod_device(hvd) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _training(name, size, device, rank=None, rounds=2):
-    """(workload, optimizer, batch): Horovod's optimizer (`rank` None), or this library's.
+def _training(name, size, device, rank=None, rounds=2, **options):
+    """(workload, optimizer, batch): Horovod's optimizer (`rank` None), or this library's
+    (with `options`).
 
     A fresh model each time: Horovod's optimizer leaves its hooks behind.
     """
@@ -388,7 +404,9 @@ def _training(name, size, device, rank=None, rounds=2):
     if rank is None:
         opt = hvd.DistributedOptimizer(sgd, named_parameters=named)
     else:
-        opt = hps.DistributedOptimizer(sgd, named_parameters=named, rank=rank, rounds=rounds)
+        opt = hps.DistributedOptimizer(
+            sgd, named_parameters=named, rank=rank, rounds=rounds, **options
+        )
     return workload, opt, workload.batch(torch.Generator().manual_seed(0))
 
 
@@ -483,6 +501,117 @@ def _profile(entry, name, size, clock, path) -> dict:
         return json.load(f)
 
 
+# --- host reads and syncs of steady-state steps ---------------------------------------------
+SYNC_STEPS = 21  # steps per configuration: the statistics twice, the drift check once
+DRIFT_EVERY = 20  # drift_check_every: one check (step 20), and the one after the first
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_SKIP_FILES = (os.path.abspath(__file__), os.path.abspath(warnings.__file__))
+
+
+@contextlib.contextmanager
+def cuda_sync_reports(mode: str = "warn"):
+    """Inside: torch.cuda's sync debug mode; yields the list of (site, message) it reported.
+
+    In "warn" mode every synchronising CUDA call of torch becomes a warning, caught
+    here with the innermost caller outside torch; in "error" mode it raises instead
+    (and nothing is collected).
+    """
+    found: list[dict] = []
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        show = warnings.showwarning
+
+        def capture(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" not in str(message):
+                return show(message, category, filename, lineno, file, line)
+            site, code = "?", ""
+            for entry in reversed(traceback.extract_stack()[:-1]):
+                path = os.path.abspath(entry.filename)
+                if path not in _SKIP_FILES and not path.startswith(_TORCH_DIR):
+                    site, code = f"{repo_path(path)}:{entry.lineno}", (entry.line or "").strip()
+                    break
+            found.append({"site": site, "code": code, "message": str(message).splitlines()[0]})
+
+        warnings.showwarning = capture
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+            warnings.showwarning = show
+
+
+def _summary(steps: dict[int, list[dict]]) -> list[dict]:
+    """Per (site, method): the steps where it happened and how many times in all."""
+    where: dict[tuple, dict] = {}
+    for step, reads in sorted(steps.items()):
+        for read in reads:
+            entry = where.setdefault((read["site"], read["method"]), {**read, "steps": []})
+            entry["count"] = entry.get("count", 0) + 1
+            if step not in entry["steps"]:
+                entry["steps"].append(step)
+    return sorted(where.values(), key=lambda e: (e["steps"][0], e["site"]))
+
+
+def run_syncs(args) -> dict:
+    """Train SYNC_STEPS steps per configuration; per step, every host read and sync."""
+    import horovod.torch as hvd
+
+    clock = Clock(horovod_device(hvd), args.size)
+    out = {"device": str(clock.device), "ranks": hvd.size(), "drift_check_every": DRIFT_EVERY}
+    out["configs"] = []
+    for rounds, comm_dtype in itertools.product((2, 1), (None, torch.float16)):
+        # A fresh model per configuration, as for the whole steps.
+        options = dict(comm_dtype=comm_dtype, drift_check_every=DRIFT_EVERY)
+        workload, opt, batch = _training("resnet50", args.size, clock.device, 4, rounds, **options)
+        out["model"] = workload.description
+        counted, synced, waits = {}, {}, {}
+        # Each hvd.synchronize is the host waiting for a collective's result.
+        sync = mock.patch.object(hvd, "synchronize", wraps=hvd.synchronize)
+        with HostReads() as reads, sync as collective_waits:
+            for step in range(1, SYNC_STEPS + 1):
+                opt.zero_grad()
+                before = collective_waits.call_count
+                with contextlib.ExitStack() as stack:
+                    syncs = stack.enter_context(cuda_sync_reports("warn")) if clock.cuda else []
+                    stack.enter_context(reads.recording(str(step)))
+                    workload.loss(workload.model, batch).backward()
+                    opt.step()
+                clock.wait()
+                counted[step] = [asdict(r) for r in reads.by_label[str(step)]]
+                synced[step] = [{**r, "method": "sync", "device": "cuda"} for r in syncs]
+                waits[step] = collective_waits.call_count - before
+        config = {
+            "rounds": rounds,
+            "wire": "fp16" if comm_dtype else "fp32",
+            "counted": _summary(counted),
+            "cuda_sync_debug": _summary(synced),
+            "collective_waits_per_step": waits,
+            # One more step with sync debug mode "error": on a step that is no multiple of
+            # a periodic check, any synchronising call raises here.
+            "error_mode_step": SYNC_STEPS + 1,
+            "error_mode": "not run (no CUDA: sync debug mode is CUDA's)",
+        }
+        if clock.cuda:
+            opt.zero_grad()
+            try:
+                with cuda_sync_reports("error"):
+                    workload.loss(workload.model, batch).backward()
+                    opt.step()
+                torch.cuda.synchronize()
+                config["error_mode"] = "passed"
+            except RuntimeError as exc:
+                first = str(exc).strip().splitlines()[0]
+                config["error_mode"] = f"raised: {type(exc).__name__}: {first}"
+                config["error_mode_traceback"] = traceback.format_exc()[-3000:]
+        out["configs"].append(config)
+        del opt, workload
+    if hvd.rank() == 0:
+        write_json(args.json, out)
+    return out
+
+
 def write_json(path, result) -> None:
     """`result` into `path` at once: a run stopped from outside leaves the last whole one."""
     with open(path + ".tmp", "w") as f:
@@ -490,16 +619,12 @@ def write_json(path, result) -> None:
     os.replace(path + ".tmp", path)
 
 
-def main_args(doc: str, commands=()) -> argparse.Namespace:
-    """The arguments of the kit's measuring scripts: where the JSON goes, the models' size."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    if commands:
-        parser.add_argument("command", choices=commands)
-    parser.add_argument("--json", required=True, help="where rank 0 writes the result")
-    parser.add_argument("--size", default="tiny", choices=["tiny", "full"])
-    return parser.parse_args()
-
+COMMANDS = {"local": run_local, "e2e": run_e2e, "profile": run_profile, "syncs": run_syncs}
 
 if __name__ == "__main__":
-    args = main_args(__doc__, ("local", "e2e", "profile"))
-    {"local": run_local, "e2e": run_e2e, "profile": run_profile}[args.command](args)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=COMMANDS)
+    parser.add_argument("--json", required=True, help="where rank 0 writes the result")
+    parser.add_argument("--size", default="tiny", choices=["tiny", "full"])
+    args = parser.parse_args()
+    COMMANDS[args.command](args)
