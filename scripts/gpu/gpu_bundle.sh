@@ -19,9 +19,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT"
 BUNDLE=${GPU_BUNDLE:-build/gpu-bundle}
-if [[ -z "${PYTHON:-}" ]]; then
-  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
+PYTHON=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
 # What the device runs: CPython 3.12 on x86_64 (manylinux: glibc there is new enough).
 PLATFORM_ARGS=(--python-version 3.12 --implementation cp --only-binary=:all:
                --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
@@ -40,50 +38,37 @@ log() { printf '[gpu-bundle] %s\n' "$*" >&2; }
 
 pins=$(printf '%s\n' "$SDIST" "${WHEELS[@]}")
 pins_hash=$(printf '%s' "$pins" | sha256sum | cut -d' ' -f1)
-manifest="$BUNDLE/MANIFEST"
-
-up_to_date() {
-  [[ -f "$manifest" ]] && [[ "$(head -n1 "$manifest")" == "pins $pins_hash" ]] \
-    && (cd "$BUNDLE" && tail -n +2 MANIFEST | sha256sum --check --quiet --status)
-}
-
-if up_to_date; then
+if [[ -f "$BUNDLE/MANIFEST" && "$(head -n1 "$BUNDLE/MANIFEST")" == "pins $pins_hash" ]] \
+  && (cd "$BUNDLE" && tail -n +2 MANIFEST | sha256sum --check --quiet --status); then
   log "$BUNDLE is up to date ($(du -sh "$BUNDLE" | cut -f1))"
   exit 0
 fi
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-printf '%s\n' "$SDIST" > "$tmp/sdist.txt"
-printf '%s\n' "${WHEELS[@]}" > "$tmp/wheels.txt"
 pip_download() {
   "$PYTHON" -m pip download -q --disable-pip-version-check --no-deps --require-hashes \
     -d "$tmp/files" "$@"
 }
 log "fetching Horovod's sdist and ${#WHEELS[@]} wheels for Python 3.12 / x86_64"
-pip_download --no-binary :all: -r "$tmp/sdist.txt"
-pip_download "${PLATFORM_ARGS[@]}" -r "$tmp/wheels.txt"
+pip_download --no-binary :all: -r <(printf '%s\n' "$SDIST")
+pip_download "${PLATFORM_ARGS[@]}" -r <(printf '%s\n' "${WHEELS[@]}")
 
 # One file per pin: two versions of a wheel would stop the install on the device.
 count=$(find "$tmp/files" -type f | wc -l)
 if [[ "$count" -ne $((1 + ${#WHEELS[@]})) ]]; then
   log "expected $((1 + ${#WHEELS[@]})) files, got $count:"; ls "$tmp/files" >&2; exit 1
 fi
-
+# The manifest moves with the files: should the move stop half-way, its hashes fail next time.
+{ echo "pins $pins_hash"; (cd "$tmp/files" && sha256sum -- *); } > "$tmp/MANIFEST"
+mv "$tmp/MANIFEST" "$tmp/files/MANIFEST"
 rm -rf "$BUNDLE"
 mkdir -p "$(dirname "$BUNDLE")"
 mv "$tmp/files" "$BUNDLE"
-{
-  echo "pins $pins_hash"
-  (cd "$BUNDLE" && sha256sum -- *)
-} > "$tmp/MANIFEST"
-mv "$tmp/MANIFEST" "$manifest"
 
 bundle_bytes=$(du -sb "$BUNDLE" | cut -f1)
 tracked_bytes=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -n1 | cut -f1)
 total=$((bundle_bytes + tracked_bytes))
 log "$BUNDLE: $((bundle_bytes / 1024)) KiB; with the tracked files $((total / 1024)) KiB" \
     "of the device's $((LIMIT_BYTES / 1024)) KiB"
-if ((total > LIMIT_BYTES)); then
-  log "too large for one device call"; exit 1
-fi
+((total <= LIMIT_BYTES)) || { log "too large for one device call"; exit 1; }

@@ -12,7 +12,5 @@ cd "$ROOT"
 export PYTHONUNBUFFERED=1
 # The project's environment where there is one (here); the machine's python3 elsewhere
 # (the device's holds its torch).
-if [[ -z "${PYTHON:-}" ]]; then
-  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
+PYTHON=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
 exec "$PYTHON" scripts/gpu/gpu_check.py --out "${OUT:-$ROOT/build/gpu-check}" "$@"
