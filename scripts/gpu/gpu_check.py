@@ -185,11 +185,8 @@ def _find_nccl():
     roots = list(spec.submodule_search_locations) if spec else []
     for root in [*roots, "/usr", "/usr/local", "/usr/local/cuda"]:
         headers = glob.glob(os.path.join(root, "include", "nccl.h"))
-        libraries = sorted(
-            glob.glob(os.path.join(root, "lib", "libnccl.so*"))
-            + glob.glob(os.path.join(root, "lib", "x86_64-linux-gnu", "libnccl.so*"))
-            + glob.glob(os.path.join(root, "lib64", "libnccl.so*"))
-        )
+        dirs = ("lib", "lib/x86_64-linux-gnu", "lib64")
+        libraries = sorted(f for d in dirs for f in glob.glob(os.path.join(root, d, "libnccl.so*")))
         if headers and libraries:
             return os.path.dirname(headers[0]), libraries[0]
     return None, None
@@ -229,10 +226,9 @@ def probe() -> dict:
     info["nccl_include"], info["nccl_library"] = _find_nccl()
     for tool in ("cmake", "make", "ninja", "g++", "mpirun", "mpicc"):
         info[tool] = shutil.which(tool)
-    if info["cmake"]:
-        info["cmake_version"] = _run(["cmake", "--version"]).splitlines()[0]
-    if info["g++"]:
-        info["gxx_version"] = _run(["g++", "--version"]).splitlines()[0]
+    for tool, key in (("cmake", "cmake_version"), ("g++", "gxx_version")):
+        if info[tool]:
+            info[key] = _run([tool, "--version"]).splitlines()[0]
     try:
         import horovod
 
@@ -299,9 +295,8 @@ class Kit:
         horovodrun with `ranks`, else the build's python (or this one)."""
         path = os.path.join(self.work, f"{phase}-{name}.json")
         cmd = [os.path.join(KIT, "gpu_timing.py"), command, "--json", path, "--size", self.size]
-        if ranks:
-            return self.job(phase, name, self.horovodrun(build, ranks, *cmd), env, path=path)
-        return self.job(phase, name, [self.python(build), *cmd], env, path=path)
+        cmd = self.horovodrun(build, ranks, *cmd) if ranks else [self.python(build), *cmd]
+        return self.job(phase, name, cmd, env, path=path)
 
     def python(self, build) -> str:
         venv = self.venvs.get(build)
@@ -343,16 +338,15 @@ class Kit:
         self.set_phase(phase, "skipped", note="not in --phases")
         return False
 
-    def guarded(self, phases, step, *args, default=None):
+    def guarded(self, phases, step, *args) -> None:
         """`step(*args)`; should the kit itself fail there, its phases say so and the run
         goes on (one phase must not cost the others' report)."""
         try:
-            return step(*args)
+            step(*args)
         except Exception:  # the kit's own bug: reported, never the end of the run
             error = traceback.format_exc()[-2000:]
             for phase in phases:
                 self.set_phase(phase, "failed", note="the kit failed here: see log", log=error)
-            return default
 
     # --- phases ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -446,8 +440,7 @@ class Kit:
             # What NCCL says to two ranks on one GPU (expected: it refuses; a refusal may
             # hang, so within a time of its own).
             cmd = self.horovodrun("nccl", 2, "-c", NCCL_TWO_RANKS)
-            label = "2 ranks, NCCL on one GPU"
-            limit = time.monotonic() + 45
+            limit, label = time.monotonic() + 45, "2 ranks, NCCL on one GPU"
             jobs.append(self.job("contract", "nccl-2-ranks", cmd, limit=limit, label=label))
         if syncs and cuda and one not in self.venvs:
             self.set_phase("syncs", "failed", note="no Horovod build with NCCL to run on")
@@ -470,7 +463,6 @@ class Kit:
             else:
                 entry.update(_pytest_outcome(log))
             self.report[phase][getattr(job, "label", name)] = entry
-            self.write()
         if contract:
             self.set_phase("contract", *_contract_status(self.report["contract"], runs))
         if syncs and "syncs" not in self.report["phases"]:
@@ -700,15 +692,13 @@ def render_markdown(report: dict) -> str:
     md.table("phase | status | seconds | note", rows)
     md.text("## Machine")
     md += [""] + [f"- {k}: {probe[k]}" for k in MACHINE.split() if k in probe]
-    for section in (_builds, _contract, _timing, _e2e, _syncs):
-        section(md, report, cuda)
+    for key, section in SECTIONS:  # each with what its phase reported, if anything
+        if report.get(key):
+            section(md, report[key], cuda)
     return "\n".join(md) + "\n"
 
 
-def _builds(md, report, cuda):
-    build = report.get("build")
-    if not build:
-        return
+def _builds(md, build, cuda):
     md.text("## Horovod builds")
     md.text(f"Through scripts/bootstrap.sh, from the bundle: {', '.join(build['bundle'])}.")
     variants = build["variants"].items()
@@ -723,10 +713,7 @@ def _builds(md, report, cuda):
             md.code(f"{variant} build, end of its log:", tail)
 
 
-def _contract(md, report, cuda):
-    contract = report.get("contract")
-    if not contract:
-        return
+def _contract(md, contract, cuda):
     md.text("## The user contract (tests/parallel, gpu_check.CONTRACT)")
     rows = []
     for label, e in contract.items():
@@ -745,10 +732,7 @@ LOCAL_WORK = (
 )
 
 
-def _timing(md, report, cuda):
-    timing = report.get("timing")
-    if not timing:
-        return
+def _timing(md, timing, cuda):
     md.text("## Local work against forward+backward (1 worker)")
     md.text(
         f"{timing['device']}, {timing['clock']}, median of {timing['iterations']} after ",
@@ -813,37 +797,36 @@ def _verdict(model, cuda) -> list[str]:
     return ["", target + "; ".join(out) + "."] if out else []
 
 
-def _e2e(md, report, cuda):
-    e2e, profile = report.get("e2e"), report.get("profile")
-    if e2e:
-        md.text(
-            f"## Whole steps through Horovod ({e2e['ranks']} rank, NCCL built: {e2e['nccl_built']})"
+def _last_line(text: str) -> str:
+    return text.strip().splitlines()[-1][:120] if text and text.strip() else ""
+
+
+def _e2e(md, e2e, cuda):
+    md.text(
+        f"## Whole steps through Horovod ({e2e['ranks']} rank, NCCL built: {e2e['nccl_built']})"
+    )
+    rows = []
+    for name, m in e2e["models"].items():
+        rows += [[name, label, _ms(t["fp32"]), _ms(t["bf16"])] for label, t in m["step_ms"].items()]
+        rows += [[name, label, "error: " + _last_line(e), ""] for label, e in m["errors"].items()]
+    md.table("model | configuration | fp32 step ms | bf16 step ms", rows)
+
+
+def _profile(md, profile, cuda):
+    md.text(
+        f'## rank="auto"\'s profile on this device ({profile["ranks"]} rank; ',
+        "`python -m horovod_powersgd.bench.scale --profile`, docs/scale.md)",
+    )
+    rows = []
+    for name, model in profile["models"].items():
+        got = model.get("profile") or {}
+        step_ms, backward_ms = (
+            _ms(got[k] * 1000.0) if got.get(k) else "-" for k in ("step_s", "backward_s")
         )
-        rows = []
-        for name, m in e2e["models"].items():
-            rows += [
-                [name, label, _ms(t["fp32"]), _ms(t["bf16"])] for label, t in m["step_ms"].items()
-            ]
-            rows += [
-                [name, label, "error: " + e.strip().splitlines()[-1][:120], ""]
-                for label, e in m["errors"].items()
-            ]
-        md.table("model | configuration | fp32 step ms | bf16 step ms", rows)
-    if profile:
-        md.text(
-            f'## rank="auto"\'s profile on this device ({profile["ranks"]} rank; ',
-            "`python -m horovod_powersgd.bench.scale --profile`, docs/scale.md)",
-        )
-        rows = []
-        for name, model in profile["models"].items():
-            got, error = model.get("profile") or {}, (model.get("error") or "").strip().splitlines()
-            step_ms, backward_ms = (
-                _ms(got[k] * 1000.0) if got.get(k) else "-" for k in ("step_s", "backward_s")
-            )
-            steps, buckets = len(model.get("steps_ms") or []), len(got.get("buckets") or [])
-            timed = [step_ms, backward_ms, buckets, error[-1][:120] if error else ""]
-            rows.append([name, model["precision"], steps, *timed])
-        md.table("model | precision | steps | step ms | backward ms | buckets | error", rows)
+        steps, buckets = len(model.get("steps_ms") or []), len(got.get("buckets") or [])
+        timed = [step_ms, backward_ms, buckets, _last_line(model.get("error"))]
+        rows.append([name, model["precision"], steps, *timed])
+    md.table("model | precision | steps | step ms | backward ms | buckets | error", rows)
 
 
 def classify(entry: dict, drift_every: int) -> str:
@@ -860,10 +843,7 @@ def classify(entry: dict, drift_every: int) -> str:
     return "NOT BY DESIGN: in steady-state steps"
 
 
-def _syncs(md, report, cuda):
-    syncs = report.get("syncs")
-    if not syncs:
-        return
+def _syncs(md, syncs, cuda):
     md.text("## Host reads and syncs in training steps (gpu_timing.py syncs)")
     probe = (syncs.get("probe") or {}).get("result") or {}
     every = probe.get("drift_check_every", 20)
@@ -895,6 +875,16 @@ def _syncs(md, report, cuda):
         )
 
 
+SECTIONS = (
+    ("build", _builds),
+    ("contract", _contract),
+    ("timing", _timing),
+    ("e2e", _e2e),
+    ("profile", _profile),
+    ("syncs", _syncs),
+)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["probe"]:  # the probe phase's subprocess: `probe PATH`
@@ -907,12 +897,7 @@ def main(argv=None) -> int:
     add("--work", default=work, help="build environments, partial results (not sent back)")
     add("--size", default="auto", choices=["auto", "full", "tiny"], help="auto: full with CUDA")
     add("--build", default="auto", choices=["auto", "yes", "no"], help="auto: where CUDA is")
-    add(
-        "--build-variants",
-        default="",
-        help="of nccl,gloo,cpu (default: nccl,gloo with CUDA, "
-        "else cpu); nccl,gloo without a GPU rehearses the device's builds",
-    )
+    add("--build-variants", default="", help="of nccl,gloo,cpu (default: nccl,gloo with CUDA)")
     add("--budget", type=float, default=0, help="seconds in all (0: the size's)")
     add("--phases", default=",".join(PHASES), help="the phases to run")
     add("--fail", default="", help="phases made to fail (tests the report)")
