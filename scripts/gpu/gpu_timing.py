@@ -1,32 +1,21 @@
-"""The GPU kit's measurements (its timing, e2e and syncs phases): what PowerSGD's local work
-costs next to a step's forward and backward pass, whole steps, and the host syncs of a step
-(models from horovod_powersgd/bench/models.py).
+"""The GPU kit's measurements (its timing, e2e and syncs phases; models from
+horovod_powersgd/bench/models.py).
 
     python scripts/gpu/gpu_timing.py local --json t.json --size full    # no Horovod needed
     horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu/gpu_timing.py e2e --json e.json
     horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu/gpu_timing.py profile --json p.json
     horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu/gpu_timing.py syncs --json s.json
 
-``local``, per model, in float32 and under bfloat16 autocast: forward+backward alone;
-PowerSGD's local work for one worker at each rank, both schedules and both
-orthogonalisations, through compressor.local_step (the reducer's segments: M = g + e and
-P = M·Q̂, orthogonalise P and Q = Mᵀ·P̂, e = M − P̂·Qᵀ, P̂·Qᵀ) after begin_step
-(orthogonalise the memory), with the per-layer norms the statistics take every step
-timed apart; its gradients are float32 either way, so it is timed once, on the float32
-pass's; torch's ``powerSGD_hook`` on a 1-rank DDP (NCCL; Gloo on the CPU), its cost over
-DDP's own all-reduce (its default, and ``batch_tensors_with_same_shape=True``); last, on
-CUDA, the local work at rank 4 as one CUDA graph.
-
-``e2e`` (1 rank): whole steps of ``hvd.DistributedOptimizer`` against
-``horovod_powersgd.DistributedOptimizer``. ``profile`` (1 rank): a ``rank="auto"`` job of
-each model (ResNet-50 fp32, GPT-2 bf16) until auto writes its profile
-(``HOROVOD_POWERSGD_PROFILE``, for ``python -m horovod_powersgd.bench.scale``, docs/scale.md).
-
-``syncs`` (1 rank): per configuration (both schedules, float32 and float16 on the wire),
-every host read of a step counted by `HostReads` (tests/parallel/host_reads.py, which
-test_host_syncs.py uses), the host's waits for Horovod's collectives and, on CUDA, what
-``torch.cuda.set_sync_debug_mode`` reports (it catches the synchronising calls of C++ code
-too), then one step in its "error" mode.
+``local``, per model, in float32 and under bfloat16 autocast: forward+backward alone,
+against PowerSGD's local work for one worker (`local_work`) at each rank, both schedules and
+both orthogonalisations, and against torch's ``powerSGD_hook`` on a 1-rank DDP (NCCL; Gloo on
+the CPU), its cost over DDP's own all-reduce (its default, and
+``batch_tensors_with_same_shape=True``); last, on CUDA, the local work at rank 4 as one CUDA
+graph. ``e2e``: whole steps of ``hvd.DistributedOptimizer`` against
+``horovod_powersgd.DistributedOptimizer``. ``profile``: a ``rank="auto"`` job of each model
+until auto writes its profile (``HOROVOD_POWERSGD_PROFILE``, for ``python -m
+horovod_powersgd.bench.scale``, docs/scale.md). ``syncs``: the host reads and syncs of
+steady-state steps (`run_syncs`).
 
 Times: CUDA events on CUDA (whole steps: the wall clock, waited for), else the wall
 clock; the median of the timed iterations after warm-up.
@@ -153,7 +142,11 @@ def _method(method: str):
 
 
 def local_work(model, rank, rounds, clock, graph=False) -> dict:
-    """Median ms of one worker's PowerSGD step on the model's current gradients.
+    """Median ms of one worker's PowerSGD step on the model's current gradients (float32
+    under autocast too: timed once, on the float32 pass's): begin_step (orthogonalise the
+    memory), then compressor.local_step per bucket (the reducer's segments: M = g + e and
+    P = M·Q̂, orthogonalise P and Q = Mᵀ·P̂, e = M − P̂·Qᵀ, P̂·Qᵀ), the per-layer norms the
+    statistics take every step timed apart.
 
     `graph` (CUDA): the same step captured once as a CUDA graph and replayed (the
     library does not capture graphs itself). The compressor's Python state (step
@@ -388,12 +381,9 @@ def horovod_device(hvd) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _training(name, size, device, rank=None, rounds=2, **options):
-    """(workload, optimizer, batch): Horovod's optimizer (`rank` None), or this library's
-    (with `options`).
-
-    A fresh model each time: Horovod's optimizer leaves its hooks behind.
-    """
+def _training(name, size, device, **powersgd):
+    """(workload, optimizer, batch): this library's optimizer with the arguments `powersgd`,
+    or Horovod's without any. A fresh model each time: Horovod's leaves its hooks behind."""
     import horovod.torch as hvd
 
     import horovod_powersgd as hps
@@ -401,12 +391,10 @@ def _training(name, size, device, rank=None, rounds=2, **options):
     workload = models.workload(name, size, device)
     sgd = torch.optim.SGD(workload.model.parameters(), lr=1e-4, momentum=0.9)
     named = workload.model.named_parameters()
-    if rank is None:
-        opt = hvd.DistributedOptimizer(sgd, named_parameters=named)
+    if powersgd:
+        opt = hps.DistributedOptimizer(sgd, named_parameters=named, **powersgd)
     else:
-        opt = hps.DistributedOptimizer(
-            sgd, named_parameters=named, rank=rank, rounds=rounds, **options
-        )
+        opt = hvd.DistributedOptimizer(sgd, named_parameters=named)
     return workload, opt, workload.batch(torch.Generator().manual_seed(0))
 
 
@@ -425,15 +413,13 @@ def _timed_step(opt, workload, batch, precision, clock) -> float:
 def run_e2e(args) -> dict:
     import horovod.torch as hvd
 
-    clock = Clock(horovod_device(hvd), args.size)
-    rank = RANKS[0]
-    configs = [("horovod", None, 2)] + [
-        (f"powersgd rank {rank}, rounds={rounds}", rank, rounds) for rounds in (2, 1)
-    ]
+    clock, rank = Clock(horovod_device(hvd), args.size), RANKS[0]
+    configs = {"horovod": {}}  # Horovod's optimizer, then this library's
+    configs.update({f"powersgd rank {rank}, rounds={r}": dict(rank=rank, rounds=r) for r in (2, 1)})
     result = {"ranks": hvd.size(), "nccl_built": bool(hvd.nccl_built()), "models": {}}
-    for name, (label, rank, rounds) in itertools.product(MODELS, configs):
+    for name, (label, powersgd) in itertools.product(MODELS, configs.items()):
         entry = result["models"].setdefault(name, {"step_ms": {}, "errors": {}})
-        steps = (entry, name, args.size, clock, rank, rounds)
+        steps = (entry, name, args.size, clock, powersgd)
         times = _guarded(entry["errors"], label, _whole_steps, *steps)
         if times:
             entry["step_ms"][label] = times
@@ -444,16 +430,13 @@ def run_e2e(args) -> dict:
     return result
 
 
-def _whole_steps(entry, name, size, clock, rank, rounds) -> dict:
-    """Median ms of a whole training step per precision (`rank` None: Horovod's)."""
-    workload, opt, batch = _training(name, size, clock.device, rank, rounds)
+def _whole_steps(entry, name, size, clock, powersgd) -> dict:
+    """Median ms of a whole training step per precision (as _training's `powersgd`)."""
+    workload, opt, batch = _training(name, size, clock.device, **powersgd)
     entry["description"] = workload.description
-    times = {}
+    times, steps = {}, clock.warmup + clock.iters
     for precision in PRECISIONS:
-        ms = [
-            _timed_step(opt, workload, batch, precision, clock)
-            for _ in range(clock.warmup + clock.iters)
-        ]
+        ms = [_timed_step(opt, workload, batch, precision, clock) for _ in range(steps)]
         times[precision] = float(statistics.median(ms[clock.warmup :]))
     return times
 
@@ -464,7 +447,7 @@ PROFILE_MAX_STEPS = 60  # auto writes its profile after its measuring steps (abo
 
 
 def run_profile(args) -> dict:
-    """rank="auto" on each model until it writes its profile; the profiles in the JSON."""
+    """rank="auto" on each model (in PROFILE_PRECISION) until it writes its profile."""
     import horovod.torch as hvd
 
     from horovod_powersgd.tuner import PROFILE_VARIABLE
@@ -472,16 +455,11 @@ def run_profile(args) -> dict:
     clock = Clock(horovod_device(hvd), args.size)
     result = {"ranks": hvd.size(), "device": str(clock.device), "models": {}}
     for name in MODELS:
-        precision = PROFILE_PRECISION[name]
-        entry = result["models"][name] = {"precision": precision}
+        entry = result["models"][name] = {"precision": PROFILE_PRECISION[name]}
         path = os.environ[PROFILE_VARIABLE] = os.path.join(tempfile.mkdtemp(), "profile.json")
-        errors = {}
-        got = _guarded(errors, "error", _profile, entry, name, args.size, clock, path)
-        os.environ.pop(PROFILE_VARIABLE)
-        if got:
-            entry["profile"] = got
-        else:
-            entry["error"] = errors["error"]
+        profile = _guarded(entry, "error", _profile, entry, name, args.size, clock, path)
+        if profile:
+            entry["profile"] = profile
         if clock.cuda:
             torch.cuda.empty_cache()
         if hvd.rank() == 0:
@@ -555,7 +533,11 @@ def _summary(steps: dict[int, list[dict]]) -> list[dict]:
 
 
 def run_syncs(args) -> dict:
-    """Train SYNC_STEPS steps per configuration; per step, every host read and sync."""
+    """SYNC_STEPS steps per configuration (both schedules, float32 and float16 on the wire):
+    per step every host read counted by `HostReads` (tests/parallel/host_reads.py, which
+    test_host_syncs.py uses), the host's waits for Horovod's collectives and, on CUDA, what
+    ``torch.cuda.set_sync_debug_mode`` reports (it catches the synchronising calls of C++
+    code too); then one step in its "error" mode."""
     import horovod.torch as hvd
 
     clock = Clock(horovod_device(hvd), args.size)
@@ -563,8 +545,8 @@ def run_syncs(args) -> dict:
     out["configs"] = []
     for rounds, comm_dtype in itertools.product((2, 1), (None, torch.float16)):
         # A fresh model per configuration, as for the whole steps.
-        options = dict(comm_dtype=comm_dtype, drift_check_every=DRIFT_EVERY)
-        workload, opt, batch = _training("resnet50", args.size, clock.device, 4, rounds, **options)
+        options = dict(rank=4, rounds=rounds, comm_dtype=comm_dtype, drift_check_every=DRIFT_EVERY)
+        workload, opt, batch = _training("resnet50", args.size, clock.device, **options)
         out["model"] = workload.description
         counted, synced, waits = {}, {}, {}
         # Each hvd.synchronize is the host waiting for a collective's result.
