@@ -330,7 +330,7 @@ class Kit:
             else:
                 _atomic_write(os.path.join(self.out, f"{phase}.log"), "".join(parts.values()))
         _atomic_write(os.path.join(self.out, "report.json"), json.dumps(self.report, indent=1))
-        _atomic_write(os.path.join(self.out, "report.md"), render_markdown(self.report))
+        _atomic_write(os.path.join(self.out, "report.md"), "\n".join(Report(self.report)) + "\n")
 
     def wanted(self, phase) -> bool:
         if phase in self.args.phases.split(","):
@@ -651,134 +651,6 @@ def _pct(part, whole) -> str:
     return "-" if part is None or not whole else f"{100 * part / whole:.1f} %"
 
 
-class Markdown(list):
-    """The report's lines, a block at a time, each after a blank line."""
-
-    def text(self, *parts: str) -> None:
-        self += ["", "".join(parts)]
-
-    def table(self, header: str, rows) -> None:
-        """`header` "a | b | c", `rows` lists of cells."""
-        self += ["", f"| {header} |", "|" + " --- |" * len(header.split(" | "))]
-        self += ["| " + " | ".join(str(c).replace("|", "/") for c in row) + " |" for row in rows]
-
-    def code(self, title: str, text: str) -> None:
-        self += ["", title, "", "```", text.strip(), "```"]
-
-
-MACHINE = (
-    "nvidia_smi torch torch_cuda torch_nccl nvcc_version cmake_version gxx_version python cores "
-    "mpirun horovod"
-)
-
-
-def render_markdown(report: dict) -> str:
-    probe = report.get("probe") or {}
-    cuda, md = bool(probe.get("cuda")), Markdown(["# GPU check report"])
-    md.text(
-        f"Size `{report['size']}` on {probe.get('gpu') or 'the CPU'}, started ",
-        f"{report['started_utc']} UTC, {report.get('seconds', 0):.0f} s; `{report['command']}`.",
-    )
-    if not cuda:
-        md.text(
-            "**CPU run, tiny models: these numbers say nothing about a GPU.** They show the ",
-            "report's format and that every phase runs.",
-        )
-    md.text("## Phases")
-    phases = report["phases"].items()
-    rows = [
-        (p, e["status"], e.get("seconds", "-"), e["note"].replace("\n", " ")) for p, e in phases
-    ]
-    md.table("phase | status | seconds | note", rows)
-    md.text("## Machine")
-    md += [""] + [f"- {k}: {probe[k]}" for k in MACHINE.split() if k in probe]
-    for key, section in SECTIONS:  # each with what its phase reported, if anything
-        if report.get(key):
-            section(md, report[key], cuda)
-    return "\n".join(md) + "\n"
-
-
-def _builds(md, build, cuda):
-    md.text("## Horovod builds")
-    md.text(f"Through scripts/bootstrap.sh, from the bundle: {', '.join(build['bundle'])}.")
-    variants = build["variants"].items()
-    rows = []
-    for variant, e in variants:
-        built = [e.get("built", {}).get(k, "-") for k in ("nccl", "gloo", "mpi", "cuda")]
-        rows.append([variant, e["status"], e.get("seconds", "-"), *built])
-    md.table("build | status | seconds | NCCL | Gloo | MPI | CUDA", rows)
-    for variant, e in variants:
-        if e["status"] != "ok":
-            tail = (e.get("log_tail") or e.get("note"))[-1200:]
-            md.code(f"{variant} build, end of its log:", tail)
-
-
-def _contract(md, contract, cuda):
-    md.text("## The user contract (tests/parallel, gpu_check.CONTRACT)")
-    rows = []
-    for label, e in contract.items():
-        failed = len(e["failed"]) if "failed" in e else e.get("outcome") or e["status"]
-        device, ranks, passed = (e.get(k, "-") for k in ("device", "ranks", "passed"))
-        rows.append([label, device, ranks, passed, failed, e["seconds"]])
-    md.table("run | device | ranks | passed | failed | seconds", rows)
-    for label, e in contract.items():
-        md += [f"- **{label}**: {name}" for name in e.get("failed", [])]
-        if "failed" in e and e["status"] != "ok":
-            md.append(f"- **{label}**: run {e['status']}: {e.get('summary')}")
-
-
-LOCAL_WORK = (
-    "local work | ms | of fp32 step | of bf16 step | + statistics ms | hook fp32 ms | hook bf16 ms"
-)
-
-
-def _timing(md, timing, cuda):
-    md.text("## Local work against forward+backward (1 worker)")
-    md.text(
-        f"{timing['device']}, {timing['clock']}, median of {timing['iterations']} after ",
-        f"{timing['warmup']} warm-up; TF32: matmul {timing['matmul_tf32']}, cuDNN ",
-        f"{timing['cudnn_tf32']}. Local work: the compressor as DistributedOptimizer drives it ",
-        "(gpu_timing.py). Hook: torch's powerSGD_hook on a 1-rank DDP, its cost over DDP's own ",
-        "all-reduce (default / batched).",
-    )
-    for name, model in timing["models"].items():
-        fb, ddp, hooks = (model.get(k) or {} for k in ("forward_backward_ms", "ddp_ms", "hook"))
-        md.text(f"### {model.get('description', name)}")
-        md.text(
-            f"forward+backward: fp32 {_ms(fb.get('fp32'))} ms, bf16 autocast ",
-            f"{_ms(fb.get('bf16'))} ms; through DDP: fp32 {_ms(ddp.get('fp32'))} ms, bf16 ",
-            f"{_ms(ddp.get('bf16'))} ms",
-        )
-        rows = []
-        for key, work in model["local_work"].items():
-            ms, none = work["ms"], "" if work["compressed_tensors"] else " (none compressed)"
-            of = [
-                hooks.get(f"rank {work['rank']}{b}", {}).get("overhead_ms", {})
-                for b in ("", ", batched")
-            ]
-            hook = [f"{_ms(of[0].get(p))} / {_ms(of[1].get(p))}" for p in ("fp32", "bf16")]
-            shares = [_pct(ms, fb.get("fp32")), _pct(ms, fb.get("bf16"))]
-            hook = hook if work["rounds"] == 2 else ["", ""]
-            rows.append([key + none, _ms(ms), *shares, _ms(work["with_statistics_ms"]), *hook])
-        md.table(LOCAL_WORK, rows)
-        first = next(iter(model["local_work"].values()), None)
-        if first:
-            phases = ", ".join(f"{k} {_ms(v)}" for k, v in first["phases_ms"].items())
-            md.text(
-                f"Rank {first['rank']}, rounds={first['rounds']}, by phase (ms; buckets ",
-                f"{first['buckets']}, compressed {first['compressed_tensors']}): {phases}.",
-            )
-        for key, graphed in (model.get("graphed") or {}).items():
-            eager, replayed = _ms(graphed["eager_ms"]), _ms(graphed["graph_ms"])
-            md.text(
-                f"The local work at {key} as one CUDA graph: eager {eager} ms, ",
-                f"replayed {replayed} ms.",
-            )
-        md += _verdict(model, cuda)
-        for key, error in model["errors"].items():
-            md.code(f"Error in {key}:", error[-800:])
-
-
 def _verdict(model, cuda) -> list[str]:
     """The target at rank 4: local work under 5 % of the step, and no more than the hook."""
     work = (model.get("local_work") or {}).get("rank 4, rounds=2")
@@ -797,38 +669,6 @@ def _verdict(model, cuda) -> list[str]:
     return ["", target + "; ".join(out) + "."] if out else []
 
 
-def _last_line(text: str) -> str:
-    return text.strip().splitlines()[-1][:120] if text and text.strip() else ""
-
-
-def _e2e(md, e2e, cuda):
-    md.text(
-        f"## Whole steps through Horovod ({e2e['ranks']} rank, NCCL built: {e2e['nccl_built']})"
-    )
-    rows = []
-    for name, m in e2e["models"].items():
-        rows += [[name, label, _ms(t["fp32"]), _ms(t["bf16"])] for label, t in m["step_ms"].items()]
-        rows += [[name, label, "error: " + _last_line(e), ""] for label, e in m["errors"].items()]
-    md.table("model | configuration | fp32 step ms | bf16 step ms", rows)
-
-
-def _profile(md, profile, cuda):
-    md.text(
-        f'## rank="auto"\'s profile on this device ({profile["ranks"]} rank; ',
-        "`python -m horovod_powersgd.bench.scale --profile`, docs/scale.md)",
-    )
-    rows = []
-    for name, model in profile["models"].items():
-        got = model.get("profile") or {}
-        step_ms, backward_ms = (
-            _ms(got[k] * 1000.0) if got.get(k) else "-" for k in ("step_s", "backward_s")
-        )
-        steps, buckets = len(model.get("steps_ms") or []), len(got.get("buckets") or [])
-        timed = [step_ms, backward_ms, buckets, _last_line(model.get("error"))]
-        rows.append([name, model["precision"], steps, *timed])
-    md.table("model | precision | steps | step ms | backward ms | buckets | error", rows)
-
-
 def classify(entry: dict, drift_every: int) -> str:
     """Why a host read happens, from the steps where it did (statistics: every 10th step)."""
     later = [s for s in entry["steps"] if s > 1]
@@ -843,46 +683,190 @@ def classify(entry: dict, drift_every: int) -> str:
     return "NOT BY DESIGN: in steady-state steps"
 
 
-def _syncs(md, syncs, cuda):
-    md.text("## Host reads and syncs in training steps (gpu_timing.py syncs)")
-    probe = (syncs.get("probe") or {}).get("result") or {}
-    every = probe.get("drift_check_every", 20)
-    for config in probe.get("configs", []):
-        waits = ", ".join(map(str, sorted(set(config["collective_waits_per_step"].values()))))
-        md.text(
-            f"### {probe['model']} on {probe['device']}, ",
-            f"rounds={config['rounds']}, {config['wire']} wire",
+def _last_line(text) -> str:
+    return text.strip().splitlines()[-1][:120] if text and text.strip() else ""
+
+
+class Report(list):
+    """report.md's lines, a block at a time, each after a blank line: the phases, the
+    machine, then a section per part of report.json, each method named after its key."""
+
+    SECTIONS = ("build", "contract", "timing", "e2e", "profile", "syncs")
+    MACHINE = (
+        "nvidia_smi torch torch_cuda torch_nccl nvcc_version cmake_version gxx_version python "
+        "cores mpirun horovod"
+    )
+
+    def __init__(self, report: dict):
+        super().__init__(["# GPU check report"])
+        probe = report.get("probe") or {}
+        self.cuda = bool(probe.get("cuda"))
+        self.text(
+            f"Size `{report['size']}` on {probe.get('gpu') or 'the CPU'}, started ",
+            f"{report['started_utc']} UTC, {report.get('seconds', 0):.0f} s; ",
+            f"`{report['command']}`.",
         )
-        md.text(
-            f'drift_check_every={every}, statistics every 10 steps. Sync debug mode "error" on ',
-            f"step {config['error_mode_step']}: {config['error_mode']}. Host waits for ",
-            f"collectives per step: {waits} (by design: Horovod returns a collective's result to ",
-            "the host).",
+        if not self.cuda:
+            self.text(
+                "**CPU run, tiny models: these numbers say nothing about a GPU.** They show the ",
+                "report's format and that every phase runs.",
+            )
+        self.text("## Phases")
+        phases = report["phases"].items()
+        rows = [
+            (p, e["status"], e.get("seconds", "-"), e["note"].replace("\n", " ")) for p, e in phases
+        ]
+        self.table("phase | status | seconds | note", rows)
+        self.text("## Machine")
+        self += [""] + [f"- {k}: {probe[k]}" for k in self.MACHINE.split() if k in probe]
+        for key in self.SECTIONS:  # each with what its phase reported, if anything
+            if report.get(key):
+                getattr(self, key)(report[key])
+
+    def text(self, *parts: str) -> None:
+        self += ["", "".join(parts)]
+
+    def table(self, header: str, rows) -> None:
+        """`header` "a | b | c", `rows` lists of cells."""
+        self += ["", f"| {header} |", "|" + " --- |" * len(header.split(" | "))]
+        self += ["| " + " | ".join(str(c).replace("|", "/") for c in row) + " |" for row in rows]
+
+    def code(self, title: str, text: str) -> None:
+        self += ["", title, "", "```", text.strip(), "```"]
+
+    def build(self, build):
+        self.text("## Horovod builds")
+        self.text(f"Through scripts/bootstrap.sh, from the bundle: {', '.join(build['bundle'])}.")
+        variants = build["variants"].items()
+        rows = []
+        for variant, e in variants:
+            built = [e.get("built", {}).get(k, "-") for k in ("nccl", "gloo", "mpi", "cuda")]
+            rows.append([variant, e["status"], e.get("seconds", "-"), *built])
+        self.table("build | status | seconds | NCCL | Gloo | MPI | CUDA", rows)
+        for variant, e in variants:
+            if e["status"] != "ok":
+                tail = (e.get("log_tail") or e.get("note"))[-1200:]
+                self.code(f"{variant} build, end of its log:", tail)
+
+    def contract(self, contract):
+        self.text("## The user contract (tests/parallel, gpu_check.CONTRACT)")
+        rows = []
+        for label, e in contract.items():
+            failed = len(e["failed"]) if "failed" in e else e.get("outcome") or e["status"]
+            device, ranks, passed = (e.get(k, "-") for k in ("device", "ranks", "passed"))
+            rows.append([label, device, ranks, passed, failed, e["seconds"]])
+        self.table("run | device | ranks | passed | failed | seconds", rows)
+        for label, e in contract.items():
+            self += [f"- **{label}**: {name}" for name in e.get("failed", [])]
+            if "failed" in e and e["status"] != "ok":
+                self.append(f"- **{label}**: run {e['status']}: {e.get('summary')}")
+
+    LOCAL_WORK = (
+        "local work | ms | of fp32 step | of bf16 step | + statistics ms | hook fp32 ms | "
+        "hook bf16 ms"
+    )
+
+    def timing(self, timing):
+        self.text("## Local work against forward+backward (1 worker)")
+        self.text(
+            f"{timing['device']}, {timing['clock']}, median of {timing['iterations']} after ",
+            f"{timing['warmup']} warm-up; TF32: matmul {timing['matmul_tf32']}, cuDNN ",
+            f"{timing['cudnn_tf32']}. Local work: the compressor as DistributedOptimizer drives ",
+            "it (gpu_timing.py). Hook: torch's powerSGD_hook on a 1-rank DDP, its cost over DDP's ",
+            "own all-reduce (default / batched).",
+        )
+        for name, model in timing["models"].items():
+            fb, ddp, hooks = (model.get(k) or {} for k in ("forward_backward_ms", "ddp_ms", "hook"))
+            self.text(f"### {model.get('description', name)}")
+            self.text(
+                f"forward+backward: fp32 {_ms(fb.get('fp32'))} ms, bf16 autocast ",
+                f"{_ms(fb.get('bf16'))} ms; through DDP: fp32 {_ms(ddp.get('fp32'))} ms, bf16 ",
+                f"{_ms(ddp.get('bf16'))} ms",
+            )
+            rows = []
+            for key, work in model["local_work"].items():
+                ms, none = work["ms"], "" if work["compressed_tensors"] else " (none compressed)"
+                of = [
+                    hooks.get(f"rank {work['rank']}{b}", {}).get("overhead_ms", {})
+                    for b in ("", ", batched")
+                ]
+                hook = [f"{_ms(of[0].get(p))} / {_ms(of[1].get(p))}" for p in ("fp32", "bf16")]
+                shares = [_pct(ms, fb.get("fp32")), _pct(ms, fb.get("bf16"))]
+                hook = hook if work["rounds"] == 2 else ["", ""]
+                rows.append([key + none, _ms(ms), *shares, _ms(work["with_statistics_ms"]), *hook])
+            self.table(self.LOCAL_WORK, rows)
+            first = next(iter(model["local_work"].values()), None)
+            if first:
+                phases = ", ".join(f"{k} {_ms(v)}" for k, v in first["phases_ms"].items())
+                self.text(
+                    f"Rank {first['rank']}, rounds={first['rounds']}, by phase (ms; buckets ",
+                    f"{first['buckets']}, compressed {first['compressed_tensors']}): {phases}.",
+                )
+            for key, graphed in (model.get("graphed") or {}).items():
+                eager, replayed = _ms(graphed["eager_ms"]), _ms(graphed["graph_ms"])
+                self.text(
+                    f"The local work at {key} as one CUDA graph: eager {eager} ms, ",
+                    f"replayed {replayed} ms.",
+                )
+            self += _verdict(model, self.cuda)
+            for key, error in model["errors"].items():
+                self.code(f"Error in {key}:", error[-800:])
+
+    def e2e(self, e2e):
+        ranks, nccl = e2e["ranks"], e2e["nccl_built"]
+        self.text(f"## Whole steps through Horovod ({ranks} rank, NCCL built: {nccl})")
+        rows = []
+        for name, m in e2e["models"].items():
+            rows += [
+                [name, label, _ms(t["fp32"]), _ms(t["bf16"])] for label, t in m["step_ms"].items()
+            ]
+            rows += [
+                [name, label, "error: " + _last_line(e), ""] for label, e in m["errors"].items()
+            ]
+        self.table("model | configuration | fp32 step ms | bf16 step ms", rows)
+
+    def profile(self, profile):
+        self.text(
+            f'## rank="auto"\'s profile on this device ({profile["ranks"]} rank; ',
+            "`python -m horovod_powersgd.bench.scale --profile`, docs/scale.md)",
         )
         rows = []
-        for source, key in (("counted", "counted"), ("sync debug", "cuda_sync_debug")):
-            for e in config[key]:
-                steps = ", ".join(map(str, e["steps"][:6])) + " ..." * (len(e["steps"]) > 6)
-                rows.append(
-                    [source, f"`{e['site']}`", e["method"], steps, e["count"], classify(e, every)]
-                )
-        md.table("source | site | call | steps | count | why", rows)
-    if syncs.get("test"):
-        test = syncs["test"]
-        md.text(
-            "tests/parallel/test_host_syncs.py on this machine: ",
-            f"{test.get('summary')} ({test['status']}).",
-        )
+        for name, model in profile["models"].items():
+            got = model.get("profile") or {}
+            step_ms, backward_ms = (
+                _ms(got[k] * 1000.0) if got.get(k) else "-" for k in ("step_s", "backward_s")
+            )
+            steps, buckets = len(model.get("steps_ms") or []), len(got.get("buckets") or [])
+            timed = [step_ms, backward_ms, buckets, _last_line(model.get("error"))]
+            rows.append([name, model["precision"], steps, *timed])
+        self.table("model | precision | steps | step ms | backward ms | buckets | error", rows)
 
-
-SECTIONS = (
-    ("build", _builds),
-    ("contract", _contract),
-    ("timing", _timing),
-    ("e2e", _e2e),
-    ("profile", _profile),
-    ("syncs", _syncs),
-)
+    def syncs(self, syncs):
+        self.text("## Host reads and syncs in training steps (gpu_timing.py syncs)")
+        probe = (syncs.get("probe") or {}).get("result") or {}
+        every = probe.get("drift_check_every", 20)
+        for config in probe.get("configs", []):
+            waits = ", ".join(map(str, sorted(set(config["collective_waits_per_step"].values()))))
+            self.text(
+                f"### {probe['model']} on {probe['device']}, ",
+                f"rounds={config['rounds']}, {config['wire']} wire",
+            )
+            self.text(
+                f'drift_check_every={every}, statistics every 10 steps. Sync debug mode "error" ',
+                f"on step {config['error_mode_step']}: {config['error_mode']}. Host waits for ",
+                f"collectives per step: {waits} (by design: Horovod returns a collective's result ",
+                "to the host).",
+            )
+            rows = []
+            for source, key in (("counted", "counted"), ("sync debug", "cuda_sync_debug")):
+                for e in config[key]:
+                    steps = ", ".join(map(str, e["steps"][:6])) + " ..." * (len(e["steps"]) > 6)
+                    why = classify(e, every)
+                    rows.append([source, f"`{e['site']}`", e["method"], steps, e["count"], why])
+            self.table("source | site | call | steps | count | why", rows)
+        if test := syncs.get("test"):
+            summary = f"{test.get('summary')} ({test['status']})"
+            self.text(f"tests/parallel/test_host_syncs.py on this machine: {summary}.")
 
 
 def main(argv=None) -> int:
