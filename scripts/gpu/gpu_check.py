@@ -324,11 +324,10 @@ class Kit:
                 log: f"===== {os.path.basename(log)} =====\n{_tail(log, LOG_LIMIT // len(logs))}\n"
                 for log in logs
             }
-            if phase == "build":
-                for log, part in parts.items():
-                    _atomic_write(os.path.join(self.out, os.path.basename(log)), part)
-            else:
-                _atomic_write(os.path.join(self.out, f"{phase}.log"), "".join(parts.values()))
+            if phase != "build":
+                parts = {f"{phase}.log": "".join(parts.values())}
+            for log, part in parts.items():
+                _atomic_write(os.path.join(self.out, os.path.basename(log)), part)
         _atomic_write(os.path.join(self.out, "report.json"), json.dumps(self.report, indent=1))
         _atomic_write(os.path.join(self.out, "report.md"), "\n".join(Report(self.report)) + "\n")
 
@@ -521,17 +520,16 @@ def make_venv(work, variant, info) -> str:
     for name in ("python", "python3", version):
         if not os.path.lexists(os.path.join(venv, "bin", name)):
             os.symlink(base, os.path.join(venv, "bin", name))
-    with open(os.path.join(venv, "pyvenv.cfg"), "w") as f:
-        system = str(bool(info.get("system_site_packages"))).lower()
-        f.write(f"home = {os.path.dirname(base)}\ninclude-system-site-packages = {system}\n")
-        f.write(f"version = {platform.python_version()}\n")
+    system = str(bool(info.get("system_site_packages"))).lower()
+    config = f"home = {os.path.dirname(base)}\ninclude-system-site-packages = {system}\n"
+    config += f"version = {platform.python_version()}\n"
+    _atomic_write(os.path.join(venv, "pyvenv.cfg"), config)
     if info.get("in_venv"):
-        with open(os.path.join(site, "_gpu_check_base.pth"), "w") as f:
-            f.write(f"import site; site.addsitedir({info['purelib']!r})\n")
+        pth = f"import site; site.addsitedir({info['purelib']!r})\n"
+        _atomic_write(os.path.join(site, "_gpu_check_base.pth"), pth)
     # bootstrap.sh installs the project itself unless this stamp is newer than
     # setup.py: here the project comes from PYTHONPATH, and nothing can be fetched.
-    with open(os.path.join(venv, ".project-installed"), "w"):
-        pass
+    _atomic_write(os.path.join(venv, ".project-installed"), "")
     return venv
 
 

@@ -191,18 +191,17 @@ def local_work(model, rank, rounds, clock, graph=False) -> dict:
         return {"eager_ms": totals, "graph_ms": clock.median_ms(graphed.replay)}
     # A second pass with a mark between phases (the marks themselves cost a little,
     # so the total above comes from a pass without them).
-    breakdown = {phase: [] for phase in phases}
-    for i in range(clock.warmup + clock.iters):
-        marks = []
+    passes = []
+    for _ in range(clock.warmup + clock.iters):
+        marks, spent = [], dict.fromkeys(phases, 0.0)
         one_step(marks)
         clock.wait()
-        spent = dict.fromkeys(phases, 0.0)
         for (_, before), (phase, after) in zip(marks, marks[1:]):
             spent[phase] += clock.ms(before, after)
-        for phase in phases if i >= clock.warmup else ():
-            breakdown[phase].append(spent[phase])
+        passes.append(spent)
+    timed = passes[clock.warmup :]
+    phases_ms = {phase: float(statistics.median(t[phase] for t in timed)) for phase in phases}
     p, q = compressor.elements_per_step()
-    phases_ms = {phase: float(statistics.median(v)) for phase, v in breakdown.items()}
     return {
         "ms": totals,
         "with_statistics_ms": totals + phases_ms["statistics"],
@@ -276,10 +275,7 @@ def ddp_times(name, size, clock, rank=None, batched=False) -> dict:
             batch_tensors_with_same_shape=batched,
         )
         ddp.register_comm_hook(state, hook.powerSGD_hook)
-    return {
-        precision: forward_backward(workload, precision, clock, model=ddp)
-        for precision in PRECISIONS
-    }
+    return {p: forward_backward(workload, p, clock, ddp) for p in PRECISIONS}
 
 
 def _guarded(errors: dict, key: str, measure, *args):
@@ -311,6 +307,7 @@ def run_local(args) -> dict:
     for name in MODELS:
         started = time.perf_counter()
         entry = result["models"][name] = {"errors": {}, "local_work": {}, "hook": {}}
+        errors = entry["errors"]
         try:
             workload = models.workload(name, args.size, device)
             entry["description"] = workload.description
@@ -323,9 +320,7 @@ def run_local(args) -> dict:
             for method, rounds, rank in itertools.product(linalg.METHODS, (2, 1), RANKS):
                 key = f"rank {rank}, rounds={rounds}" + _method_key(method)
                 with _method(method):
-                    work = _guarded(
-                        entry["errors"], key, local_work, workload.model, rank, rounds, clock
-                    )
+                    work = _guarded(errors, key, local_work, workload.model, rank, rounds, clock)
                 if work:
                     entry["local_work"][key] = {"rank": rank, "rounds": rounds, **work}
             del workload
@@ -334,12 +329,12 @@ def run_local(args) -> dict:
                 for batched, rank in itertools.product((False, True), RANKS):
                     key = f"rank {rank}{', batched' if batched else ''}"
                     hook = (name, args.size, clock, rank, batched)
-                    times = _guarded(entry["errors"], f"hook {key}", ddp_times, *hook)
+                    times = _guarded(errors, f"hook {key}", ddp_times, *hook)
                     if times:  # the hook's cost: over DDP's own all-reduce
                         overhead = {p: times[p] - entry["ddp_ms"][p] for p in PRECISIONS}
                         entry["hook"][key] = {"ddp_ms": times, "overhead_ms": overhead}
         except Exception:
-            entry["errors"]["model"] = traceback.format_exc()[-3000:]
+            errors["model"] = traceback.format_exc()[-3000:]
         entry["seconds"] = time.perf_counter() - started
         if cuda:
             entry["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
