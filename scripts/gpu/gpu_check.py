@@ -109,12 +109,9 @@ class Job:
         return self.result is not None
 
     def _finish(self, status: str, rc) -> None:
-        self.result = {
-            "status": status,
-            "rc": rc,
-            "seconds": round(time.monotonic() - self.started, 1),
-            "log_tail": _tail(self.log, 1500) if status != "ok" else "",
-        }
+        seconds = round(time.monotonic() - self.started, 1)
+        tail = _tail(self.log, 1500) if status != "ok" else ""
+        self.result = {"status": status, "rc": rc, "seconds": seconds, "log_tail": tail}
 
 
 def wait_all(jobs, deadline: float) -> list[Job]:
@@ -831,12 +828,10 @@ class Report(list):
         rows = []
         for name, model in profile["models"].items():
             got = model.get("profile") or {}
-            step_ms, backward_ms = (
-                _ms(got[k] * 1000.0) if got.get(k) else "-" for k in ("step_s", "backward_s")
-            )
+            times = [_ms(got[k] * 1000.0) if got.get(k) else "-" for k in ("step_s", "backward_s")]
             steps, buckets = len(model.get("steps_ms") or []), len(got.get("buckets") or [])
-            timed = [step_ms, backward_ms, buckets, _last_line(model.get("error"))]
-            rows.append([name, model["precision"], steps, *timed])
+            error = _last_line(model.get("error"))
+            rows.append([name, model["precision"], steps, *times, buckets, error])
         self.table("model | precision | steps | step ms | backward ms | buckets | error", rows)
 
     def syncs(self, syncs):

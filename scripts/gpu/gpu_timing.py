@@ -40,6 +40,7 @@ from unittest import mock
 
 import torch
 
+import horovod_powersgd as hps  # its optimizer imports Horovod on first use only
 from horovod_powersgd import linalg
 from horovod_powersgd.bench import models
 
@@ -79,14 +80,13 @@ class Clock:
     def median_ms(self, run) -> float:
         """Median ms of `run()` on the device's timeline, after the warm-up calls."""
         times = []
-        for i in range(self.warmup + self.iters):
+        for _ in range(self.warmup + self.iters):
             start = self.mark()
             run()
             end = self.mark()
             self.wait()
-            if i >= self.warmup:
-                times.append(self.ms(start, end))
-        return float(statistics.median(times))
+            times.append(self.ms(start, end))
+        return float(statistics.median(times[self.warmup :]))
 
 
 def autocast(device: torch.device, precision: str):
@@ -380,8 +380,6 @@ def _training(name, size, device, **powersgd):
     """(workload, optimizer, batch): this library's optimizer with the arguments `powersgd`,
     or Horovod's without any. A fresh model each time: Horovod's leaves its hooks behind."""
     import horovod.torch as hvd
-
-    import horovod_powersgd as hps
 
     workload = models.workload(name, size, device)
     sgd = torch.optim.SGD(workload.model.parameters(), lr=1e-4, momentum=0.9)
