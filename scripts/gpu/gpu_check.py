@@ -3,26 +3,22 @@
     bash scripts/gpu/gpu_check.sh              # on the device machine: full sizes, builds Horovod
     bash scripts/gpu/gpu_check.sh --size tiny  # here on the CPU: tiny models, installed Horovod
 
-docs/gpu.md has the device call (what to carry, the time limit). Phases, each in
-subprocesses with a time limit of its own, so that one that fails or runs out of
-time is reported as such and the others still report:
+docs/gpu.md has the device call and what each phase measures. Each phase runs in
+subprocesses with a time limit of its own: one that fails or runs out of time is reported
+as such, and the others still report.
 
   probe     what the machine has: GPU, driver, torch, CUDA, NCCL, nvcc, cmake, MPI, cores
   build     (CUDA only) Horovod from the carried bundle through scripts/bootstrap.sh, twice at
-            once: with NCCL (+ Gloo) for 1 rank, and without GPU operations (Gloo, and MPI
-            where the machine has it) for 2 ranks sharing the one GPU, whose CUDA tensors
-            then travel through host memory: NCCL refuses two ranks on one GPU
-  timing    gpu_timing.py local: forward+backward against PowerSGD's local work and
-            torch's powerSGD_hook (needs no Horovod)
-  contract  the user contract of tests/parallel (CONTRACT) under horovodrun, with
-            `--device cuda` where there is a GPU: 1 rank (NCCL), 2 ranks (Gloo; MPI)
-  syncs     gpu_timing.py syncs under horovodrun (1 rank), and on CUDA
-            tests/parallel/test_host_syncs.py on CUDA tensors
-  e2e       gpu_timing.py e2e under horovodrun: whole steps, 1 rank; then auto's profile
+            once: with NCCL for 1 rank, without GPU operations (Gloo; MPI) for 2 ranks
+            sharing the GPU, whose tensors then travel through the host (NCCL refuses that)
+  timing    gpu_timing.py local (needs no Horovod)
+  contract  tests/parallel's user contract (CONTRACT) under horovodrun, `--device cuda` on a GPU
+  syncs     gpu_timing.py syncs under horovodrun, and on CUDA tests/parallel/test_host_syncs.py
+  e2e       gpu_timing.py e2e under horovodrun, then its profile
 
-Everything lands in --out (the device's $OUT): report.json, report.md and one log
-per phase, eight files at most (what the device sends back). The report is
-rewritten after every phase, so a run stopped from outside keeps what was done.
+Everything lands in --out (the device's $OUT): report.json, report.md and one log per
+phase, eight files at most (what the device sends back). The report is rewritten after
+every phase, so a run stopped from outside keeps what was done.
 """
 
 from __future__ import annotations
@@ -155,12 +151,9 @@ def _run(cmd) -> str:
 
 
 def _find_cuda():
-    """(nvcc, CUDA home): the toolkit whose nvcc is on PATH, else /usr/local/cuda*.
-
-    The nvcc on PATH may be a wrapper script elsewhere (seen here: /usr/local/bin/nvcc
-    running /usr/local/cuda-13.0/bin/nvcc), so the home is the first candidate holding
-    both bin/nvcc and include/cuda_runtime.h.
-    """
+    """(nvcc, CUDA home): the toolkit whose nvcc is on PATH, else /usr/local/cuda*; the
+    first holding both bin/nvcc and include/cuda_runtime.h, since the nvcc on PATH may be
+    a wrapper elsewhere (seen here: /usr/local/bin/nvcc running /usr/local/cuda-13.0's)."""
     found = shutil.which("nvcc")
     candidates = [os.path.dirname(os.path.dirname(os.path.realpath(found)))] if found else []
     candidates += ["/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True)]
@@ -246,13 +239,9 @@ class Kit:
         os.makedirs(self.work, exist_ok=True)
         self.started = time.monotonic()
         self.set_size("tiny" if args.size == "auto" else args.size)  # until the probe says
-        self.report = {
-            "command": " ".join(sys.argv),
-            "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-            "size": args.size,
-            "phases": {},
-            "probe": {},
-        }
+        utc = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+        run = {"command": " ".join(sys.argv), "started_utc": utc, "size": args.size}
+        self.report = {**run, "phases": {}, "probe": {}}
         self.logs: dict[str, list[str]] = {}  # phase -> job logs, gathered into one file
         self.venvs: dict[str, str] = {}  # Horovod build -> its virtual environment
 
@@ -502,11 +491,10 @@ class Kit:
 def make_venv(work, variant, info) -> str:
     """A virtual environment that sees the machine's torch, for one Horovod build.
 
-    What `python -m venv --without-pip` makes (a pyvenv.cfg and links to the
-    interpreter), written by hand: Debian's python may come without its venv module.
-    bootstrap.sh installs Horovod into it; the device's torch lives in the image's own
-    environment, which stays untouched: a .pth file adds its site-packages (and runs
-    its .pth files) behind this environment's own.
+    What `python -m venv --without-pip` makes, written by hand: Debian's python may come
+    without its venv module. bootstrap.sh installs Horovod into it; the image's own
+    environment, with the device's torch, stays untouched: a .pth file adds its
+    site-packages (and runs its .pth files) behind this environment's own.
     """
     venv = os.path.join(work, f"venv-{variant}")
     base = getattr(sys, "_base_executable", sys.executable)

@@ -1,24 +1,18 @@
-"""The GPU kit's measurements (its timing, e2e and syncs phases; models from
-horovod_powersgd/bench/models.py).
+"""The GPU kit's measurements: its timing, e2e and syncs phases (docs/gpu.md says what each
+measures; the models are horovod_powersgd/bench/models.py's).
 
     python scripts/gpu/gpu_timing.py local --json t.json --size full    # no Horovod needed
     horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu/gpu_timing.py e2e --json e.json
     horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu/gpu_timing.py profile --json p.json
     horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu/gpu_timing.py syncs --json s.json
 
-``local``, per model, in float32 and under bfloat16 autocast: forward+backward alone,
-against PowerSGD's local work for one worker (`local_work`) at each rank, both schedules and
-both orthogonalisations, and against torch's ``powerSGD_hook`` on a 1-rank DDP (NCCL; Gloo on
-the CPU), its cost over DDP's own all-reduce (its default, and
-``batch_tensors_with_same_shape=True``); last, on CUDA, the local work at rank 4 as one CUDA
-graph. ``e2e``: whole steps of ``hvd.DistributedOptimizer`` against
-``horovod_powersgd.DistributedOptimizer``. ``profile``: a ``rank="auto"`` job of each model
-until auto writes its profile (``HOROVOD_POWERSGD_PROFILE``, for ``python -m
-horovod_powersgd.bench.scale``, docs/scale.md). ``syncs``: the host reads and syncs of
-steady-state steps (`run_syncs`).
-
-Times: CUDA events on CUDA (whole steps: the wall clock, waited for), else the wall
-clock; the median of the timed iterations after warm-up.
+``local``: per model, forward+backward in float32 and under bfloat16 autocast, against
+PowerSGD's local work (`local_work`: each rank, both schedules, both orthogonalisations) and
+torch's ``powerSGD_hook`` on a 1-rank DDP (`ddp_times`); last, on CUDA, the local work as one
+CUDA graph. ``e2e``: whole steps of Horovod's optimizer and this library's. ``profile``:
+auto's profile of each model (`run_profile`). ``syncs``: the host reads and syncs of
+steady-state steps (`run_syncs`). Times: CUDA events on CUDA (whole steps: the wall clock,
+waited for), else the wall clock; the median of the timed iterations after warm-up.
 """
 
 from __future__ import annotations
@@ -111,11 +105,8 @@ def forward_backward(workload, precision, clock, model=None) -> float:
 
 # --- PowerSGD's local work ------------------------------------------------------------------
 def _compressor(model, rank: int, rounds: int):
-    """The compressor, buckets and monitor DistributedOptimizer would build for `model`.
-
-    Internal API (horovod_powersgd.compressor/reducer/monitor): if it changes, this
-    measurement reports the error and the kit goes on.
-    """
+    """The compressor, buckets and monitor DistributedOptimizer would build for `model`
+    (internal API: should it change, this measurement reports the error, the kit goes on)."""
     from horovod_powersgd.compressor import PowerSGDCompressor
     from horovod_powersgd.config import PowerSGDConfig
     from horovod_powersgd.monitor import LayerMonitor
@@ -143,15 +134,13 @@ def _method(method: str):
 
 def local_work(model, rank, rounds, clock, graph=False) -> dict:
     """Median ms of one worker's PowerSGD step on the model's current gradients (float32
-    under autocast too: timed once, on the float32 pass's): begin_step (orthogonalise the
-    memory), then compressor.local_step per bucket (the reducer's segments: M = g + e and
-    P = M·Q̂, orthogonalise P and Q = Mᵀ·P̂, e = M − P̂·Qᵀ, P̂·Qᵀ), the per-layer norms the
-    statistics take every step timed apart.
+    under autocast too, so timed once, on the float32 pass's): begin_step (orthogonalise the
+    memory), compressor.local_step per bucket (the reducer's segments: M = g + e and P = M·Q̂,
+    orthogonalise P and Q = Mᵀ·P̂, e = M − P̂·Qᵀ, P̂·Qᵀ), the statistics' norms timed apart.
 
-    `graph` (CUDA): the same step captured once as a CUDA graph and replayed (the
-    library does not capture graphs itself). The compressor's Python state (step
-    counters) advances only at the capture, which is what a replayed step of fixed
-    shapes does too.
+    `graph` (CUDA): the same step captured once as a CUDA graph and replayed (the library
+    does not capture graphs itself); the compressor's Python state (step counters) advances
+    only at the capture, as in a replayed step of fixed shapes.
     """
     from horovod_powersgd.compressor import local_step  # internal API, as _compressor's
 
@@ -214,11 +203,8 @@ def local_work(model, rank, rounds, clock, graph=False) -> dict:
 
 
 def _graphed(one_step, generators):
-    """`one_step(None)` captured once as a CUDA graph (warm-up on a side stream).
-
-    The compressor's generators (its random draws) are registered with the graph:
-    a CUDA generator of one's own may not advance in a capture otherwise.
-    """
+    """`one_step(None)` captured once as a CUDA graph (warm-up on a side stream), with the
+    compressor's generators (its random draws) registered: else they may not advance in it."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -248,7 +234,8 @@ def one_rank_process_group(device):
 
 
 def ddp_times(name, size, clock, rank=None, batched=False) -> dict:
-    """Median ms of forward+backward through DDP per precision: plain, or with the hook."""
+    """Median ms of forward+backward through DDP per precision: plain, or with the hook
+    (NCCL; Gloo on the CPU), its default or ``batch_tensors_with_same_shape=True``."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hook
     from torch.nn.parallel import DistributedDataParallel
 
@@ -440,7 +427,8 @@ PROFILE_MAX_STEPS = 60  # auto writes its profile after its measuring steps (abo
 
 
 def run_profile(args) -> dict:
-    """rank="auto" on each model (in PROFILE_PRECISION) until it writes its profile."""
+    """rank="auto" on each model (in PROFILE_PRECISION) until it writes its profile
+    (HOROVOD_POWERSGD_PROFILE: for python -m horovod_powersgd.bench.scale, docs/scale.md)."""
     import horovod.torch as hvd
 
     from horovod_powersgd.tuner import PROFILE_VARIABLE
@@ -481,21 +469,18 @@ _SKIP_FILES = (os.path.abspath(__file__), os.path.abspath(warnings.__file__))
 
 @contextlib.contextmanager
 def cuda_sync_reports(mode: str = "warn"):
-    """Inside: torch.cuda's sync debug mode; yields the list of (site, message) it reported.
-
-    In "warn" mode every synchronising CUDA call of torch becomes a warning, caught
-    here with the innermost caller outside torch; in "error" mode it raises instead
-    (and nothing is collected).
-    """
+    """Inside: torch.cuda's sync debug mode; yields the list of (site, message) it reported:
+    in "warn" mode every synchronising CUDA call of torch is a warning, caught here with the
+    innermost caller outside torch; in "error" mode it raises (and nothing is collected)."""
     found: list[dict] = []
     previous = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings():
         warnings.simplefilter("always")
-        show = warnings.showwarning
+        show = warnings.showwarning  # catch_warnings puts it back
 
-        def capture(message, category, filename, lineno, file=None, line=None):
+        def capture(message, *where):
             if "synchroniz" not in str(message):
-                return show(message, category, filename, lineno, file, line)
+                return show(message, *where)
             site, code = "?", ""
             for entry in reversed(traceback.extract_stack()[:-1]):
                 path = os.path.abspath(entry.filename)
@@ -510,7 +495,6 @@ def cuda_sync_reports(mode: str = "warn"):
             yield found
         finally:
             torch.cuda.set_sync_debug_mode(previous)
-            warnings.showwarning = show
 
 
 def _summary(steps: dict[int, list[dict]]) -> list[dict]:
