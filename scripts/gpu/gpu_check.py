@@ -256,11 +256,10 @@ class Kit:
         return min(time.monotonic() + self.budgets[phase], self.deadline)
 
     def env(self, **extra) -> dict:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # Unless set: OMP_NUM_THREADS=1 (ranks share the cores), OpenMPI allowed as root.
+        root = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+        env = {"OMP_NUM_THREADS": "1", **root, **os.environ, "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-        env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         nccl = self.report["probe"].get("nccl_library")
         if nccl:  # Horovod's library links libnccl.so.2 of torch's wheel
             env["LD_LIBRARY_PATH"] = f"{os.path.dirname(nccl)}:{env.get('LD_LIBRARY_PATH', '')}"
@@ -643,11 +642,9 @@ def _verdict(model, cuda) -> list[str]:
     for precision, step in (model.get("forward_backward_ms") or {}).items() if work else ():
         hook_ms, ms = hook.get("overhead_ms", {}).get(precision), work["with_statistics_ms"]
         meets = ms / step < TARGET_SHARE and (hook_ms is None or ms <= hook_ms)
-        word = "meets the target" if meets else "misses the target"
-        out.append(
-            f"{precision}: rank 4 local work with statistics {_pct(ms, step)} of "
-            f"forward+backward, hook {_ms(hook_ms)} ms: {word if cuda else 'not judged (CPU)'}"
-        )
+        word = ("meets" if meets else "misses") + " the target" if cuda else "not judged (CPU)"
+        share = f"rank 4 local work with statistics {_pct(ms, step)} of forward+backward"
+        out.append(f"{precision}: {share}, hook {_ms(hook_ms)} ms: {word}")
     target = "Target (under 5 % of the step at rank 4, and no more than the hook): "
     return ["", target + "; ".join(out) + "."] if out else []
 
@@ -786,11 +783,10 @@ class Report(list):
                     f"{first['buckets']}, compressed {first['compressed_tensors']}): {phases}.",
                 )
             for key, graphed in (model.get("graphed") or {}).items():
-                eager, replayed = _ms(graphed["eager_ms"]), _ms(graphed["graph_ms"])
-                self.text(
-                    f"The local work at {key} as one CUDA graph: eager {eager} ms, ",
-                    f"replayed {replayed} ms.",
+                times = (
+                    f"eager {_ms(graphed['eager_ms'])} ms, replayed {_ms(graphed['graph_ms'])} ms"
                 )
+                self.text(f"The local work at {key} as one CUDA graph: {times}.")
             self += _verdict(model, self.cuda)
             for key, error in model["errors"].items():
                 self.code(f"Error in {key}:", error[-800:])
@@ -828,10 +824,8 @@ class Report(list):
         every = probe.get("drift_check_every", 20)
         for config in probe.get("configs", []):
             waits = ", ".join(map(str, sorted(set(config["collective_waits_per_step"].values()))))
-            self.text(
-                f"### {probe['model']} on {probe['device']}, ",
-                f"rounds={config['rounds']}, {config['wire']} wire",
-            )
+            where = f"{probe['model']} on {probe['device']}"
+            self.text(f"### {where}, rounds={config['rounds']}, {config['wire']} wire")
             self.text(
                 f'drift_check_every={every}, statistics every 10 steps. Sync debug mode "error" ',
                 f"on step {config['error_mode_step']}: {config['error_mode']}. Host waits for ",

@@ -83,12 +83,6 @@ class Clock:
         return float(statistics.median(times[self.warmup :]))
 
 
-def autocast(device: torch.device, precision: str):
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def forward_backward(workload, precision, clock, model=None) -> float:
     """Median ms of forward+backward (the loss under autocast, backward outside it)."""
     model = workload.model if model is None else model
@@ -96,7 +90,7 @@ def forward_backward(workload, precision, clock, model=None) -> float:
 
     def run():
         model.zero_grad(set_to_none=False)
-        with autocast(clock.device, precision):
+        with torch.autocast(clock.device.type, torch.bfloat16, enabled=precision == "bf16"):
             loss = workload.loss(model, batch)
         loss.backward()
 
@@ -382,7 +376,7 @@ def _timed_step(opt, workload, batch, precision, clock) -> float:
     """One training step through `opt`, waited for; its wall-clock ms."""
     start = time.perf_counter()
     opt.zero_grad()
-    with autocast(clock.device, precision):
+    with torch.autocast(clock.device.type, torch.bfloat16, enabled=precision == "bf16"):
         loss = workload.loss(workload.model, batch)
     loss.backward()
     opt.step()
