@@ -13,8 +13,7 @@
 # Variables: GPU_BUNDLE [build/gpu-bundle]  PYTHON [.venv/bin/python, else python3]
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-cd "$ROOT"
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 BUNDLE=${GPU_BUNDLE:-build/gpu-bundle}
 PYTHON=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
 # What the device runs: CPython 3.12 on x86_64 (manylinux: glibc there is new enough).
@@ -33,8 +32,7 @@ LIMIT_BYTES=$((64 * 1024 * 1024))
 
 log() { printf '[gpu-bundle] %s\n' "$*" >&2; }
 
-pins=$(printf '%s\n' "$SDIST" "${WHEELS[@]}")
-pins_hash=$(printf '%s' "$pins" | sha256sum | cut -d' ' -f1)
+pins_hash=$(printf '%s\n' "$SDIST" "${WHEELS[@]}" | sha256sum | cut -d' ' -f1)
 if [[ -f "$BUNDLE/MANIFEST" && "$(head -n1 "$BUNDLE/MANIFEST")" == "pins $pins_hash" ]] \
   && (cd "$BUNDLE" && tail -n +2 MANIFEST | sha256sum --check --quiet --status); then
   log "$BUNDLE is up to date ($(du -sh "$BUNDLE" | cut -f1))"

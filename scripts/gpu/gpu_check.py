@@ -74,7 +74,6 @@ NCCL_TWO_RANKS = (
 )
 
 
-# --- jobs -----------------------------------------------------------------------------------
 class Job:
     """One subprocess with a log file, a time limit and, once it has ended, a `result`."""
 
@@ -201,8 +200,7 @@ def probe() -> dict:
     }
     if info["in_venv"]:
         with open(os.path.join(sys.prefix, "pyvenv.cfg")) as f:
-            text = f.read().lower()
-        info["system_site_packages"] = "include-system-site-packages = true" in text
+            info["system_site_packages"] = "include-system-site-packages = true" in f.read().lower()
     if info["cuda"]:
         props = torch.cuda.get_device_properties(0)
         info["gpu"] = props.name
@@ -228,7 +226,6 @@ def probe() -> dict:
     return info
 
 
-# --- the kit --------------------------------------------------------------------------------
 class Kit:
     """The phases of one run, their jobs and budgets, and the report they rewrite."""
 
@@ -766,10 +763,8 @@ class Report(list):
             rows = []
             for key, work in model["local_work"].items():
                 ms, none = work["ms"], "" if work["compressed_tensors"] else " (none compressed)"
-                of = [
-                    hooks.get(f"rank {work['rank']}{b}", {}).get("overhead_ms", {})
-                    for b in ("", ", batched")
-                ]
+                rank = f"rank {work['rank']}"
+                of = [hooks.get(rank + b, {}).get("overhead_ms", {}) for b in ("", ", batched")]
                 hook = [f"{_ms(of[0].get(p))} / {_ms(of[1].get(p))}" for p in ("fp32", "bf16")]
                 shares = [_pct(ms, fb.get("fp32")), _pct(ms, fb.get("bf16"))]
                 hook = hook if work["rounds"] == 2 else ["", ""]

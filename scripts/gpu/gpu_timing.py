@@ -50,8 +50,7 @@ ITERATIONS = {"full": (5, 10), "tiny": (4, 3)}
 
 
 class Clock:
-    """Marks on the device's timeline: CUDA events, or the wall clock on the CPU; and
-    the warm-up and timed iterations of a measurement at `size`."""
+    """Marks on the device's timeline (CUDA events, else the wall clock); warm-up, timed calls."""
 
     def __init__(self, device: torch.device, size: str):
         self.device, self.cuda = device, device.type == "cuda"
@@ -101,8 +100,6 @@ def forward_backward(workload, precision, clock, model=None) -> float:
 def _compressor(model, rank: int, rounds: int):
     """The compressor, buckets and monitor DistributedOptimizer would build for `model`
     (internal API: should it change, this measurement reports the error, the kit goes on)."""
-    from horovod_powersgd.compressor import PowerSGDCompressor
-    from horovod_powersgd.config import PowerSGDConfig
     from horovod_powersgd.monitor import LayerMonitor
     from horovod_powersgd.reducer import make_buckets
 
@@ -110,8 +107,9 @@ def _compressor(model, rank: int, rounds: int):
     params = [p for p in model.parameters() if p.requires_grad]
     buckets = make_buckets(params)
     bucket_of = {names[p]: b.index for b in buckets for p in b.params}
-    config = PowerSGDConfig(rank=rank, rounds=rounds)
-    compressor = PowerSGDCompressor([(names[p], p) for p in params], config, bucket_of=bucket_of)
+    config = hps.PowerSGDConfig(rank=rank, rounds=rounds)
+    named = [(names[p], p) for p in params]
+    compressor = hps.PowerSGDCompressor(named, config, bucket_of=bucket_of)
     monitor = LayerMonitor(compressor, lambda t, name: t, workers=1, reporter=False)
     return compressor, [b.index for b in buckets], monitor
 
@@ -266,15 +264,13 @@ def _guarded(errors: dict, key: str, measure, *args):
         return measure(*args)
     except Exception:
         errors[key] = traceback.format_exc()[-2000:]
-        return None
     finally:
         gc.collect()
 
 
 def run_local(args) -> dict:
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    clock = Clock(device, args.size)
+    clock = Clock(torch.device("cuda", 0) if cuda else torch.device("cpu"), args.size)
     result = {
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "size": args.size,
@@ -290,7 +286,7 @@ def run_local(args) -> dict:
         entry = result["models"][name] = {"errors": {}, "local_work": {}, "hook": {}}
         errors = entry["errors"]
         try:
-            workload = models.workload(name, args.size, device)
+            workload = models.workload(name, args.size, clock.device)
             entry["description"] = workload.description
             entry["forward_backward_ms"] = {
                 precision: forward_backward(workload, precision, clock)
@@ -305,7 +301,7 @@ def run_local(args) -> dict:
                 if work:
                     entry["local_work"][key] = {"rank": rank, "rounds": rounds, **work}
             del workload
-            with one_rank_process_group(device):
+            with one_rank_process_group(clock.device):
                 entry["ddp_ms"] = ddp_times(name, args.size, clock)
                 for batched, rank in itertools.product((False, True), RANKS):
                     key = f"rank {rank}{', batched' if batched else ''}"
