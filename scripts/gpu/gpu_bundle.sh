@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make gpu-bundle`: what the device lacks for scripts/gpu/gpu_check.sh, fetched here (where the
+# `make gpu-bundle`: what the device lacks for scripts/gpu/gpu_check.py, fetched here (where the
 # registries are) into an ignored folder that the device `run` carries (docs/gpu.md):
 #   * Horovod's sdist as released on PyPI, which scripts/bootstrap.sh builds there with the
 #     C++ standard fix (horovod PR #3998; C++20 from torch 2.14), as here: one recipe.

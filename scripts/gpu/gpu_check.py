@@ -1,7 +1,7 @@
 """The GPU check: one command that uses one device lease, and its CPU rehearsal.
 
-    bash scripts/gpu/gpu_check.sh              # on the device machine: full sizes, builds Horovod
-    bash scripts/gpu/gpu_check.sh --size tiny  # here on the CPU: tiny models, installed Horovod
+    python3 scripts/gpu/gpu_check.py                     # the device: full sizes, builds Horovod
+    .venv/bin/python scripts/gpu/gpu_check.py --size tiny  # here: tiny models, installed Horovod
 
 docs/gpu.md has the device call and what each phase measures. Each phase runs in
 subprocesses with a time limit of its own: one that fails or runs out of time is reported
