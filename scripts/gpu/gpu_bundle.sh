@@ -41,13 +41,11 @@ fi
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-pip_download() {
-  "$PYTHON" -m pip download -q --disable-pip-version-check --no-deps --require-hashes \
-    -d "$tmp/files" "$@"
-}
+download=("$PYTHON" -m pip download -q --disable-pip-version-check --no-deps --require-hashes
+          -d "$tmp/files")
 log "fetching Horovod's sdist and ${#WHEELS[@]} wheels for Python 3.12 / x86_64"
-pip_download --no-binary :all: -r <(printf '%s\n' "$SDIST")
-pip_download "${PLATFORM_ARGS[@]}" -r <(printf '%s\n' "${WHEELS[@]}")
+"${download[@]}" --no-binary :all: -r <(printf '%s\n' "$SDIST")
+"${download[@]}" "${PLATFORM_ARGS[@]}" -r <(printf '%s\n' "${WHEELS[@]}")
 # One file a pin (--require-hashes, one hash each). The manifest moves with the files: a move
 # stopped half-way fails its hashes next time.
 { echo "pins $pins_hash"; (cd "$tmp/files" && sha256sum -- *); } > "$tmp/MANIFEST"

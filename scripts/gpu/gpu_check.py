@@ -273,8 +273,8 @@ class Kit:
         return Job(f"{phase}/{name}", cmd, log, env or self.env(), **attributes)
 
     def measure(self, phase, name, command, build=None, ranks=None, env=None) -> Job:
-        """A job of gpu_timing.py's `command`, its JSON at the job's `path`: under
-        horovodrun with `ranks`, else the build's python (or this one)."""
+        """gpu_timing.py's `command` as a job, its JSON at the job's `path`: with `ranks` under
+        horovodrun, else by the build's python (or this one)."""
         path = os.path.join(self.work, f"{phase}-{name}.json")
         cmd = [os.path.join(KIT, "gpu_timing.py"), command, "--json", path, "--size", self.size]
         cmd = self.horovodrun(build, ranks, *cmd) if ranks else [self.python(build), *cmd]
@@ -346,8 +346,9 @@ class Kit:
         if self.wanted("e2e"):
             self.guarded(["e2e"], self.phase_e2e, cuda)
         self.write()
-        statuses = [e["status"] for e in self.report["phases"].values()]
-        return 1 if any(s not in ("ok", "skipped") for s in statuses) else 0
+        return int(
+            any(e["status"] not in ("ok", "skipped") for e in self.report["phases"].values())
+        )
 
     def phase_probe(self):
         path = os.path.join(self.work, "probe.json")
@@ -749,8 +750,7 @@ class Report(list):
             f"{timing['device']}, {timing['clock']}, median of {timing['iterations']} after ",
             f"{timing['warmup']} warm-up; TF32: matmul {timing['matmul_tf32']}, cuDNN ",
             f"{timing['cudnn_tf32']}. Local work: the compressor as DistributedOptimizer drives ",
-            "it (gpu_timing.py). Hook: torch's powerSGD_hook on a 1-rank DDP, its cost over DDP's ",
-            "own all-reduce (default / batched).",
+            "it. Hook: what torch's powerSGD_hook adds to a 1-rank DDP step (default / batched).",
         )
         for name, model in timing["models"].items():
             fb, ddp, hooks = (model.get(k) or {} for k in ("forward_backward_ms", "ddp_ms", "hook"))
@@ -778,9 +778,8 @@ class Report(list):
                     f"{first['buckets']}, compressed {first['compressed_tensors']}): {phases}.",
                 )
             for key, graphed in (model.get("graphed") or {}).items():
-                times = (
-                    f"eager {_ms(graphed['eager_ms'])} ms, replayed {_ms(graphed['graph_ms'])} ms"
-                )
+                eager, graph = _ms(graphed["eager_ms"]), _ms(graphed["graph_ms"])
+                times = f"eager {eager} ms, replayed {graph} ms"
                 self.text(f"The local work at {key} as one CUDA graph: {times}.")
             self += _verdict(model, self.cuda)
             for key, error in model["errors"].items():
@@ -791,12 +790,8 @@ class Report(list):
         self.text(f"## Whole steps through Horovod ({ranks} rank, NCCL built: {nccl})")
         rows = []
         for name, m in e2e["models"].items():
-            rows += [
-                [name, label, _ms(t["fp32"]), _ms(t["bf16"])] for label, t in m["step_ms"].items()
-            ]
-            rows += [
-                [name, label, "error: " + _last_line(e), ""] for label, e in m["errors"].items()
-            ]
+            rows += [[name, k, _ms(t["fp32"]), _ms(t["bf16"])] for k, t in m["step_ms"].items()]
+            rows += [[name, k, "error: " + _last_line(e), ""] for k, e in m["errors"].items()]
         self.table("model | configuration | fp32 step ms | bf16 step ms", rows)
 
     def profile(self, profile):

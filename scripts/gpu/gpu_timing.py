@@ -501,10 +501,9 @@ def _summary(steps: dict[int, list[dict]]) -> list[dict]:
 
 def run_syncs(args) -> dict:
     """SYNC_STEPS steps per configuration (both schedules, float32 and float16 on the wire):
-    per step every host read counted by `HostReads` (tests/parallel/host_reads.py, which
-    test_host_syncs.py uses), the host's waits for Horovod's collectives and, on CUDA, what
-    ``torch.cuda.set_sync_debug_mode`` reports (it catches the synchronising calls of C++
-    code too); then one step in its "error" mode."""
+    each step's host reads (`HostReads`, tests/parallel/host_reads.py), waits for Horovod's
+    collectives and, on CUDA, what ``torch.cuda.set_sync_debug_mode`` reports (it catches
+    C++ code's synchronising calls too); then one step in its "error" mode."""
     import horovod.torch as hvd
 
     clock = Clock(horovod_device(hvd), args.size)
