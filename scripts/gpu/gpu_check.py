@@ -346,9 +346,8 @@ class Kit:
         if self.wanted("e2e"):
             self.guarded(["e2e"], self.phase_e2e, cuda)
         self.write()
-        return int(
-            any(e["status"] not in ("ok", "skipped") for e in self.report["phases"].values())
-        )
+        statuses = [e["status"] for e in self.report["phases"].values()]
+        return 1 if any(s not in ("ok", "skipped") for s in statuses) else 0
 
     def phase_probe(self):
         path = os.path.join(self.work, "probe.json")
@@ -661,10 +660,6 @@ def classify(entry: dict, drift_every: int) -> str:
     return "NOT BY DESIGN: in steady-state steps"
 
 
-def _last_line(text) -> str:
-    return text.strip().splitlines()[-1][:120] if text and text.strip() else ""
-
-
 class Report(list):
     """report.md's lines, a block at a time, each after a blank line: the phases, the
     machine, then a section per part of report.json, each method named after its key."""
@@ -712,16 +707,16 @@ class Report(list):
     def code(self, title: str, text: str) -> None:
         self += ["", title, "", "```", text.strip(), "```"]
 
+    @staticmethod
+    def last_line(text) -> str:
+        return text.strip().splitlines()[-1][:120] if text and text.strip() else ""
+
     def build(self, build):
-        self.text("## Horovod builds")
-        self.text(f"Through scripts/bootstrap.sh, from the bundle: {', '.join(build['bundle'])}.")
-        variants = build["variants"].items()
-        rows = []
-        for variant, e in variants:
-            built = [e.get("built", {}).get(k, "-") for k in ("nccl", "gloo", "mpi", "cuda")]
-            rows.append([variant, e["status"], e.get("seconds", "-"), *built])
-        self.table("build | status | seconds | NCCL | Gloo | MPI | CUDA", rows)
-        for variant, e in variants:
+        """The Horovod builds, with the machine: what each holds, a failed one's end of log."""
+        self.append(f"- Horovod builds by scripts/bootstrap.sh, from {', '.join(build['bundle'])}:")
+        for variant, e in build["variants"].items():
+            built = ", ".join(f"{k} {v}" for k, v in e.get("built", {}).items()) or "-"
+            self.append(f"  - {variant}: {e['status']}, {e.get('seconds', '-')} s; built: {built}")
             if e["status"] != "ok":
                 tail = (e.get("log_tail") or e.get("note"))[-1200:]
                 self.code(f"{variant} build, end of its log:", tail)
@@ -791,7 +786,7 @@ class Report(list):
         rows = []
         for name, m in e2e["models"].items():
             rows += [[name, k, _ms(t["fp32"]), _ms(t["bf16"])] for k, t in m["step_ms"].items()]
-            rows += [[name, k, "error: " + _last_line(e), ""] for k, e in m["errors"].items()]
+            rows += [[name, k, "error: " + self.last_line(e), ""] for k, e in m["errors"].items()]
         self.table("model | configuration | fp32 step ms | bf16 step ms", rows)
 
     def profile(self, profile):
@@ -804,7 +799,7 @@ class Report(list):
             got = model.get("profile") or {}
             times = [_ms(got[k] * 1000.0) if got.get(k) else "-" for k in ("step_s", "backward_s")]
             steps, buckets = len(model.get("steps_ms") or []), len(got.get("buckets") or [])
-            error = _last_line(model.get("error"))
+            error = self.last_line(model.get("error"))
             rows.append([name, model["precision"], steps, *times, buckets, error])
         self.table("model | precision | steps | step ms | backward ms | buckets | error", rows)
 
