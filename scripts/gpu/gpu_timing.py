@@ -29,7 +29,6 @@ import tempfile
 import time
 import traceback
 import warnings
-from dataclasses import asdict
 from unittest import mock
 
 import torch
@@ -258,8 +257,7 @@ def ddp_times(name, size, clock, rank=None, batched=False) -> dict:
 
 
 def _guarded(errors: dict, key: str, measure, *args):
-    """`measure(*args)`, or None with its traceback in `errors[key]`: a failure costs one
-    number, not the others'."""
+    """`measure(*args)`, or None with its traceback in `errors[key]`: one failure, one number."""
     try:
         return measure(*args)
     except Exception:
@@ -527,7 +525,7 @@ def run_syncs(args) -> dict:
                     workload.loss(workload.model, batch).backward()
                     opt.step()
                 clock.wait()
-                counted[step] = [asdict(r) for r in reads.by_label[str(step)]]
+                counted[step] = [vars(r) for r in reads.by_label[str(step)]]  # Read's fields
                 synced[step] = [{**r, "method": "sync", "device": "cuda"} for r in syncs]
                 waits[step] = collective_waits.call_count - before
         config = {
