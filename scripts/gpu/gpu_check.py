@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import json
 import math
 import os
@@ -34,6 +35,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 import traceback
 
@@ -165,8 +167,6 @@ def _find_cuda():
 
 def _find_nccl():
     """(include dir, library file) of NCCL: torch's wheel nvidia-nccl-*, else the system's."""
-    import importlib.util
-
     try:
         spec = importlib.util.find_spec("nvidia.nccl")
     except ImportError:  # no "nvidia" packages at all
@@ -183,8 +183,6 @@ def _find_nccl():
 
 def probe() -> dict:
     """What this machine has (run in a subprocess of the kit's python)."""
-    import sysconfig
-
     import torch
 
     info = {
@@ -485,13 +483,11 @@ class Kit:
 
 # --- building Horovod -----------------------------------------------------------------------
 def make_venv(work, variant, info) -> str:
-    """A virtual environment that sees the machine's torch, for one Horovod build.
-
-    What `python -m venv --without-pip` makes, written by hand: Debian's python may come
-    without its venv module. bootstrap.sh installs Horovod into it; the image's own
-    environment, with the device's torch, stays untouched: a .pth file adds its
-    site-packages (and runs its .pth files) behind this environment's own.
-    """
+    """A virtual environment that sees the machine's torch, for one Horovod build: what
+    `python -m venv --without-pip` makes, written by hand (Debian's python may come without
+    its venv module). bootstrap.sh installs Horovod into it; the image's own environment,
+    with the device's torch, stays untouched: a .pth file adds its site-packages (and runs
+    its .pth files) behind this environment's own."""
     venv = os.path.join(work, f"venv-{variant}")
     base = getattr(sys, "_base_executable", sys.executable)
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
@@ -662,12 +658,16 @@ def classify(entry: dict, drift_every: int) -> str:
 
 class Report(list):
     """report.md's lines, a block at a time, each after a blank line: the phases, the
-    machine, then a section per part of report.json, each method named after its key."""
+    machine, then a part per key of report.json, each rendered by the method of its name."""
 
     SECTIONS = ("build", "contract", "timing", "e2e", "profile", "syncs")
     MACHINE = (
         "nvidia_smi torch torch_cuda torch_nccl nvcc_version cmake_version gxx_version python "
         "cores mpirun horovod"
+    )
+    LOCAL_WORK = (
+        "local work | ms | of fp32 step | of bf16 step | + statistics ms | hook fp32 ms | "
+        "hook bf16 ms"
     )
 
     def __init__(self, report: dict):
@@ -733,11 +733,6 @@ class Report(list):
             self += [f"- **{label}**: {name}" for name in e.get("failed", [])]
             if "failed" in e and e["status"] != "ok":
                 self.append(f"- **{label}**: run {e['status']}: {e.get('summary')}")
-
-    LOCAL_WORK = (
-        "local work | ms | of fp32 step | of bf16 step | + statistics ms | hook fp32 ms | "
-        "hook bf16 ms"
-    )
 
     def timing(self, timing):
         self.text("## Local work against forward+backward (1 worker)")

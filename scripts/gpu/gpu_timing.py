@@ -32,6 +32,7 @@ import warnings
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 
 import horovod_powersgd as hps  # its optimizer imports Horovod on first use only
 from horovod_powersgd import linalg
@@ -213,8 +214,6 @@ def _graphed(one_step, generators):
 # --- torch's powerSGD_hook on a 1-rank DDP ---------------------------------------------------
 @contextlib.contextmanager
 def one_rank_process_group(device):
-    import torch.distributed as dist
-
     with tempfile.TemporaryDirectory() as tmp:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=0, world_size=1)
