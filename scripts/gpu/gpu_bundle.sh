@@ -3,11 +3,10 @@
 # registries are) into an ignored folder that the device `run` carries (docs/gpu.md):
 #   * Horovod's sdist as released on PyPI, which scripts/bootstrap.sh builds there with the
 #     C++ standard fix (horovod PR #3998; C++20 from torch 2.14), as here: one recipe.
-#   * wheels for the device's Python 3.12 on x86_64 that its image lacks
-#     (.library/device/KINDS.md lists its packages): cffi (Horovod's install_requires with
-#     PyTorch; its setup.py asks for it at build time) and its pycparser; setuptools and
-#     wheel, which the image has, for a pip there that prepares the sdist's metadata in an
-#     isolated environment, offline.
+#   * wheels for the device's Python 3.12 on x86_64 that its image lacks: cffi (Horovod's
+#     install_requires with PyTorch; its setup.py asks for it at build time) and pycparser;
+#     setuptools and wheel, which the image has, for a pip there that prepares the sdist's
+#     metadata in an isolated environment, offline.
 # Every file is pinned by version and sha256. Idempotent: when the manifest matches the pins
 # and every file its hash, nothing is fetched (well under a second).
 # Variables: GPU_BUNDLE [build/gpu-bundle]  PYTHON [.venv/bin/python, else python3]

@@ -24,6 +24,7 @@ every phase, so a run stopped from outside keeps what was done.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import importlib.util
 import json
@@ -119,21 +120,17 @@ def wait_all(jobs, deadline: float) -> list[Job]:
 
 
 def _tail(path, chars):
-    try:
-        with open(path, errors="replace") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - chars))
-            return f.read()
-    except OSError:
-        return ""
+    with contextlib.suppress(OSError), open(path, errors="replace") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - chars))
+        return f.read()
+    return ""
 
 
 def _read_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
+    with contextlib.suppress(OSError, ValueError), open(path) as f:
+        return json.load(f)
+    return None
 
 
 def _atomic_write(path, text) -> None:
