@@ -180,13 +180,13 @@ bench-overheads: setup
 
 # The GPU check (docs/gpu.md). gpu-bundle fetches what the device machine lacks
 # (Horovod's sdist, the wheels Horovod needs for Python 3.12 there) into build/gpu-bundle,
-# which the device run carries; gpu-check runs scripts/gpu/gpu_check.sh here: tiny models on the
+# which the device run carries; gpu-check runs scripts/gpu/gpu_check.py here: tiny models on the
 # CPU, report in build/gpu-check (a few minutes on 2 cores; tests/launch runs it too).
 gpu-bundle:
 	bash scripts/gpu/gpu_bundle.sh
 
 gpu-check: setup
-	$(RUN_CAP) bash scripts/gpu/gpu_check.sh
+	$(RUN_CAP) $(PY) scripts/gpu/gpu_check.py
 
 # 2000 steps under mpirun: RSS over time and NaN/Inf checks -> docs/long_run.md
 # (a few minutes on 2 cores; not part of `make test`).

@@ -1,27 +1,20 @@
 #!/usr/bin/env bash
-# `make gpu-bundle`: what the device machine lacks for scripts/gpu/gpu_check.sh, fetched here
-# (where the registries are) into an ignored folder that the device `run` carries
-# (docs/gpu.md gives the call):
-#   * Horovod's sdist as released on PyPI. It is built there by scripts/bootstrap.sh, which
-#     applies the C++ standard fix (horovod PR #3998; C++20 from torch 2.14) as it does
-#     here: one recipe, one place.
-#   * the wheels Horovod needs for the device's Python 3.12 on x86_64 that its image does not
-#     have (.library/device/KINDS.md lists the image's packages): cffi (Horovod's
-#     install_requires with PyTorch, and its setup.py asks for it at build time) and its
-#     pycparser; setuptools and wheel, which the image has, ride along for a pip there that
-#     prepares the sdist's metadata in an isolated environment, offline.
+# `make gpu-bundle`: what the device lacks for scripts/gpu/gpu_check.py, fetched here (where the
+# registries are) into an ignored folder that the device `run` carries (docs/gpu.md):
+#   * Horovod's sdist as released on PyPI, which scripts/bootstrap.sh builds there with the
+#     C++ standard fix (horovod PR #3998; C++20 from torch 2.14), as here: one recipe.
+#   * wheels for the device's Python 3.12 on x86_64 that its image lacks: cffi (Horovod's
+#     install_requires with PyTorch; its setup.py asks for it at build time) and pycparser;
+#     setuptools and wheel, which the image has, for a pip there that prepares the sdist's
+#     metadata in an isolated environment, offline.
 # Every file is pinned by version and sha256. Idempotent: when the manifest matches the pins
 # and every file its hash, nothing is fetched (well under a second).
-#
 # Variables: GPU_BUNDLE [build/gpu-bundle]  PYTHON [.venv/bin/python, else python3]
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-cd "$ROOT"
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 BUNDLE=${GPU_BUNDLE:-build/gpu-bundle}
-if [[ -z "${PYTHON:-}" ]]; then
-  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
+PYTHON=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
 # What the device runs: CPython 3.12 on x86_64 (manylinux: glibc there is new enough).
 PLATFORM_ARGS=(--python-version 3.12 --implementation cp --only-binary=:all:
                --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
@@ -38,52 +31,31 @@ LIMIT_BYTES=$((64 * 1024 * 1024))
 
 log() { printf '[gpu-bundle] %s\n' "$*" >&2; }
 
-pins=$(printf '%s\n' "$SDIST" "${WHEELS[@]}")
-pins_hash=$(printf '%s' "$pins" | sha256sum | cut -d' ' -f1)
-manifest="$BUNDLE/MANIFEST"
-
-up_to_date() {
-  [[ -f "$manifest" ]] && [[ "$(head -n1 "$manifest")" == "pins $pins_hash" ]] \
-    && (cd "$BUNDLE" && tail -n +2 MANIFEST | sha256sum --check --quiet --status)
-}
-
-if up_to_date; then
+pins_hash=$(printf '%s\n' "$SDIST" "${WHEELS[@]}" | sha256sum | cut -d' ' -f1)
+if [[ -f "$BUNDLE/MANIFEST" && "$(head -n1 "$BUNDLE/MANIFEST")" == "pins $pins_hash" ]] \
+  && (cd "$BUNDLE" && tail -n +2 MANIFEST | sha256sum --check --quiet --status); then
   log "$BUNDLE is up to date ($(du -sh "$BUNDLE" | cut -f1))"
   exit 0
 fi
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-printf '%s\n' "$SDIST" > "$tmp/sdist.txt"
-printf '%s\n' "${WHEELS[@]}" > "$tmp/wheels.txt"
-pip_download() {
-  "$PYTHON" -m pip download -q --disable-pip-version-check --no-deps --require-hashes \
-    -d "$tmp/files" "$@"
-}
+download=("$PYTHON" -m pip download -q --disable-pip-version-check --no-deps --require-hashes
+          -d "$tmp/files")
 log "fetching Horovod's sdist and ${#WHEELS[@]} wheels for Python 3.12 / x86_64"
-pip_download --no-binary :all: -r "$tmp/sdist.txt"
-pip_download "${PLATFORM_ARGS[@]}" -r "$tmp/wheels.txt"
-
-# One file per pin: two versions of a wheel would stop the install on the device.
-count=$(find "$tmp/files" -type f | wc -l)
-if [[ "$count" -ne $((1 + ${#WHEELS[@]})) ]]; then
-  log "expected $((1 + ${#WHEELS[@]})) files, got $count:"; ls "$tmp/files" >&2; exit 1
-fi
-
+"${download[@]}" --no-binary :all: -r <(printf '%s\n' "$SDIST")
+"${download[@]}" "${PLATFORM_ARGS[@]}" -r <(printf '%s\n' "${WHEELS[@]}")
+# One file a pin (--require-hashes, one hash each). The manifest moves with the files: a move
+# stopped half-way fails its hashes next time.
+{ echo "pins $pins_hash"; (cd "$tmp/files" && sha256sum -- *); } > "$tmp/MANIFEST"
+mv "$tmp/MANIFEST" "$tmp/files/MANIFEST"
 rm -rf "$BUNDLE"
 mkdir -p "$(dirname "$BUNDLE")"
 mv "$tmp/files" "$BUNDLE"
-{
-  echo "pins $pins_hash"
-  (cd "$BUNDLE" && sha256sum -- *)
-} > "$tmp/MANIFEST"
-mv "$tmp/MANIFEST" "$manifest"
 
 bundle_bytes=$(du -sb "$BUNDLE" | cut -f1)
 tracked_bytes=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -n1 | cut -f1)
 total=$((bundle_bytes + tracked_bytes))
 log "$BUNDLE: $((bundle_bytes / 1024)) KiB; with the tracked files $((total / 1024)) KiB" \
     "of the device's $((LIMIT_BYTES / 1024)) KiB"
-if ((total > LIMIT_BYTES)); then
-  log "too large for one device call"; exit 1
-fi
+((total <= LIMIT_BYTES)) || { log "too large for one device call"; exit 1; }

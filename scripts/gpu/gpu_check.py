@@ -1,34 +1,32 @@
 """The GPU check: one command that uses one device lease, and its CPU rehearsal.
 
-    bash scripts/gpu/gpu_check.sh              # on the device machine: full sizes, builds Horovod
-    bash scripts/gpu/gpu_check.sh --size tiny  # here on the CPU: tiny models, installed Horovod
+    python3 scripts/gpu/gpu_check.py                     # the device: full sizes, builds Horovod
+    .venv/bin/python scripts/gpu/gpu_check.py --size tiny  # here: tiny models, installed Horovod
 
-docs/gpu.md has the device call (what to carry, the time limit). Phases, each in
-subprocesses with a time limit of its own, so that one that fails or runs out of
-time is reported as such and the others still report:
+docs/gpu.md has the device call and what each phase measures. Each phase runs in
+subprocesses with a time limit of its own: one that fails or runs out of time is reported
+as such, and the others still report.
 
   probe     what the machine has: GPU, driver, torch, CUDA, NCCL, nvcc, cmake, MPI, cores
   build     (CUDA only) Horovod from the carried bundle through scripts/bootstrap.sh, twice at
-            once: with NCCL (+ Gloo) for 1 rank, and without GPU operations (Gloo, and MPI
-            where the machine has it) for 2 ranks sharing the one GPU, whose CUDA tensors
-            then travel through host memory: NCCL refuses two ranks on one GPU
-  timing    gpu_timing.py local: forward+backward against PowerSGD's local work and
-            torch's powerSGD_hook (needs no Horovod)
-  contract  the user contract of tests/parallel (CONTRACT) under horovodrun, with
-            `--device cuda` where there is a GPU: 1 rank (NCCL), 2 ranks (Gloo; MPI)
-  syncs     gpu_syncs.py under horovodrun (1 rank), and on CUDA
-            tests/parallel/test_host_syncs.py on CUDA tensors
-  e2e       gpu_timing.py e2e under horovodrun: whole steps, 1 rank; then auto's profile
+            once: with NCCL for 1 rank, without GPU operations (Gloo; MPI) for 2 ranks
+            sharing the GPU, whose tensors then travel through the host (NCCL refuses that)
+  timing    gpu_timing.py local (needs no Horovod)
+  contract  tests/parallel's user contract (CONTRACT) under horovodrun, `--device cuda` on a GPU
+  syncs     gpu_timing.py syncs under horovodrun, and on CUDA tests/parallel/test_host_syncs.py
+  e2e       gpu_timing.py e2e under horovodrun, then its profile
 
-Everything lands in --out (the device's $OUT): report.json, report.md and one log
-per phase, eight files at most (what the device sends back). The report is
-rewritten after every phase, so a run stopped from outside keeps what was done.
+Everything lands in --out (the device's $OUT): report.json, report.md and one log per
+phase, eight files at most (what the device sends back). The report is rewritten after
+every phase, so a run stopped from outside keeps what was done.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
+import importlib.util
 import json
 import math
 import os
@@ -38,6 +36,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 import traceback
 
@@ -78,7 +77,6 @@ NCCL_TWO_RANKS = (
 )
 
 
-# --- jobs -----------------------------------------------------------------------------------
 class Job:
     """One subprocess with a log file, a time limit and, once it has ended, a `result`."""
 
@@ -109,12 +107,9 @@ class Job:
         return self.result is not None
 
     def _finish(self, status: str, rc) -> None:
-        self.result = {
-            "status": status,
-            "rc": rc,
-            "seconds": round(time.monotonic() - self.started, 1),
-            "log_tail": _tail(self.log, 1500) if status != "ok" else "",
-        }
+        seconds = round(time.monotonic() - self.started, 1)
+        tail = _tail(self.log, 1500) if status != "ok" else ""
+        self.result = {"status": status, "rc": rc, "seconds": seconds, "log_tail": tail}
 
 
 def wait_all(jobs, deadline: float) -> list[Job]:
@@ -125,21 +120,17 @@ def wait_all(jobs, deadline: float) -> list[Job]:
 
 
 def _tail(path, chars):
-    try:
-        with open(path, errors="replace") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - chars))
-            return f.read()
-    except OSError:
-        return ""
+    with contextlib.suppress(OSError), open(path, errors="replace") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - chars))
+        return f.read()
+    return ""
 
 
 def _read_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
+    with contextlib.suppress(OSError, ValueError), open(path) as f:
+        return json.load(f)
+    return None
 
 
 def _atomic_write(path, text) -> None:
@@ -158,12 +149,9 @@ def _run(cmd) -> str:
 
 
 def _find_cuda():
-    """(nvcc, CUDA home): the toolkit whose nvcc is on PATH, else /usr/local/cuda*.
-
-    The nvcc on PATH may be a wrapper script elsewhere (seen here: /usr/local/bin/nvcc
-    running /usr/local/cuda-13.0/bin/nvcc), so the home is the first candidate holding
-    both bin/nvcc and include/cuda_runtime.h.
-    """
+    """(nvcc, CUDA home): the toolkit whose nvcc is on PATH, else /usr/local/cuda*; the
+    first holding both bin/nvcc and include/cuda_runtime.h, since the nvcc on PATH may be
+    a wrapper elsewhere (seen here: /usr/local/bin/nvcc running /usr/local/cuda-13.0's)."""
     found = shutil.which("nvcc")
     candidates = [os.path.dirname(os.path.dirname(os.path.realpath(found)))] if found else []
     candidates += ["/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True)]
@@ -176,8 +164,6 @@ def _find_cuda():
 
 def _find_nccl():
     """(include dir, library file) of NCCL: torch's wheel nvidia-nccl-*, else the system's."""
-    import importlib.util
-
     try:
         spec = importlib.util.find_spec("nvidia.nccl")
     except ImportError:  # no "nvidia" packages at all
@@ -185,11 +171,8 @@ def _find_nccl():
     roots = list(spec.submodule_search_locations) if spec else []
     for root in [*roots, "/usr", "/usr/local", "/usr/local/cuda"]:
         headers = glob.glob(os.path.join(root, "include", "nccl.h"))
-        libraries = sorted(
-            glob.glob(os.path.join(root, "lib", "libnccl.so*"))
-            + glob.glob(os.path.join(root, "lib", "x86_64-linux-gnu", "libnccl.so*"))
-            + glob.glob(os.path.join(root, "lib64", "libnccl.so*"))
-        )
+        dirs = ("lib", "lib/x86_64-linux-gnu", "lib64")
+        libraries = sorted(f for d in dirs for f in glob.glob(os.path.join(root, d, "libnccl.so*")))
         if headers and libraries:
             return os.path.dirname(headers[0]), libraries[0]
     return None, None
@@ -197,8 +180,6 @@ def _find_nccl():
 
 def probe() -> dict:
     """What this machine has (run in a subprocess of the kit's python)."""
-    import sysconfig
-
     import torch
 
     info = {
@@ -214,8 +195,7 @@ def probe() -> dict:
     }
     if info["in_venv"]:
         with open(os.path.join(sys.prefix, "pyvenv.cfg")) as f:
-            text = f.read().lower()
-        info["system_site_packages"] = "include-system-site-packages = true" in text
+            info["system_site_packages"] = "include-system-site-packages = true" in f.read().lower()
     if info["cuda"]:
         props = torch.cuda.get_device_properties(0)
         info["gpu"] = props.name
@@ -229,10 +209,9 @@ def probe() -> dict:
     info["nccl_include"], info["nccl_library"] = _find_nccl()
     for tool in ("cmake", "make", "ninja", "g++", "mpirun", "mpicc"):
         info[tool] = shutil.which(tool)
-    if info["cmake"]:
-        info["cmake_version"] = _run(["cmake", "--version"]).splitlines()[0]
-    if info["g++"]:
-        info["gxx_version"] = _run(["g++", "--version"]).splitlines()[0]
+    for tool, key in (("cmake", "cmake_version"), ("g++", "gxx_version")):
+        if info[tool]:
+            info[key] = _run([tool, "--version"]).splitlines()[0]
     try:
         import horovod
 
@@ -242,7 +221,6 @@ def probe() -> dict:
     return info
 
 
-# --- the kit --------------------------------------------------------------------------------
 class Kit:
     """The phases of one run, their jobs and budgets, and the report they rewrite."""
 
@@ -253,13 +231,9 @@ class Kit:
         os.makedirs(self.work, exist_ok=True)
         self.started = time.monotonic()
         self.set_size("tiny" if args.size == "auto" else args.size)  # until the probe says
-        self.report = {
-            "command": " ".join(sys.argv),
-            "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-            "size": args.size,
-            "phases": {},
-            "probe": {},
-        }
+        utc = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+        run = {"command": " ".join(sys.argv), "started_utc": utc, "size": args.size}
+        self.report = {**run, "phases": {}, "probe": {}}
         self.logs: dict[str, list[str]] = {}  # phase -> job logs, gathered into one file
         self.venvs: dict[str, str] = {}  # Horovod build -> its virtual environment
 
@@ -274,11 +248,10 @@ class Kit:
         return min(time.monotonic() + self.budgets[phase], self.deadline)
 
     def env(self, **extra) -> dict:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # Unless set: OMP_NUM_THREADS=1 (ranks share the cores), OpenMPI allowed as root.
+        root = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+        env = {"OMP_NUM_THREADS": "1", **root, **os.environ, "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-        env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         nccl = self.report["probe"].get("nccl_library")
         if nccl:  # Horovod's library links libnccl.so.2 of torch's wheel
             env["LD_LIBRARY_PATH"] = f"{os.path.dirname(nccl)}:{env.get('LD_LIBRARY_PATH', '')}"
@@ -294,14 +267,13 @@ class Kit:
         self.logs.setdefault(phase, []).append(log)
         return Job(f"{phase}/{name}", cmd, log, env or self.env(), **attributes)
 
-    def measure(self, phase, name, script, *cmd, build=None, ranks=None, env=None) -> Job:
-        """A job of one of the kit's measuring scripts, its JSON at the job's `path`: under
-        horovodrun with `ranks`, else the build's python (or this one)."""
+    def measure(self, phase, name, command, build=None, ranks=None, env=None) -> Job:
+        """gpu_timing.py's `command` as a job, its JSON at the job's `path`: with `ranks` under
+        horovodrun, else by the build's python (or this one)."""
         path = os.path.join(self.work, f"{phase}-{name}.json")
-        cmd = [os.path.join(KIT, script), *cmd, "--json", path, "--size", self.size]
-        if ranks:
-            return self.job(phase, name, self.horovodrun(build, ranks, *cmd), env, path=path)
-        return self.job(phase, name, [self.python(build), *cmd], env, path=path)
+        cmd = [os.path.join(KIT, "gpu_timing.py"), command, "--json", path, "--size", self.size]
+        cmd = self.horovodrun(build, ranks, *cmd) if ranks else [self.python(build), *cmd]
+        return self.job(phase, name, cmd, env, path=path)
 
     def python(self, build) -> str:
         venv = self.venvs.get(build)
@@ -329,13 +301,12 @@ class Kit:
                 log: f"===== {os.path.basename(log)} =====\n{_tail(log, LOG_LIMIT // len(logs))}\n"
                 for log in logs
             }
-            if phase == "build":
-                for log, part in parts.items():
-                    _atomic_write(os.path.join(self.out, os.path.basename(log)), part)
-            else:
-                _atomic_write(os.path.join(self.out, f"{phase}.log"), "".join(parts.values()))
+            if phase != "build":
+                parts = {f"{phase}.log": "".join(parts.values())}
+            for log, part in parts.items():
+                _atomic_write(os.path.join(self.out, os.path.basename(log)), part)
         _atomic_write(os.path.join(self.out, "report.json"), json.dumps(self.report, indent=1))
-        _atomic_write(os.path.join(self.out, "report.md"), render_markdown(self.report))
+        _atomic_write(os.path.join(self.out, "report.md"), "\n".join(Report(self.report)) + "\n")
 
     def wanted(self, phase) -> bool:
         if phase in self.args.phases.split(","):
@@ -343,16 +314,15 @@ class Kit:
         self.set_phase(phase, "skipped", note="not in --phases")
         return False
 
-    def guarded(self, phases, step, *args, default=None):
+    def guarded(self, phases, step, *args) -> None:
         """`step(*args)`; should the kit itself fail there, its phases say so and the run
         goes on (one phase must not cost the others' report)."""
         try:
-            return step(*args)
+            step(*args)
         except Exception:  # the kit's own bug: reported, never the end of the run
             error = traceback.format_exc()[-2000:]
             for phase in phases:
                 self.set_phase(phase, "failed", note="the kit failed here: see log", log=error)
-            return default
 
     # --- phases ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -424,7 +394,7 @@ class Kit:
     def phase_timing(self) -> None:
         # Not OMP_NUM_THREADS=1 here: this process is alone on its device.
         env = self.env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"))
-        job = self.measure("timing", "local", "gpu_timing.py", "local", build="nccl", env=env)
+        job = self.measure("timing", "local", "local", build="nccl", env=env)
         result = wait_all([job], self.budget("timing"))[0].result
         self.report["timing"] = _read_json(job.path)
         self.set_phase("timing", result["status"], result["seconds"], log=result["log_tail"])
@@ -446,13 +416,12 @@ class Kit:
             # What NCCL says to two ranks on one GPU (expected: it refuses; a refusal may
             # hang, so within a time of its own).
             cmd = self.horovodrun("nccl", 2, "-c", NCCL_TWO_RANKS)
-            label = "2 ranks, NCCL on one GPU"
-            limit = time.monotonic() + 45
+            limit, label = time.monotonic() + 45, "2 ranks, NCCL on one GPU"
             jobs.append(self.job("contract", "nccl-2-ranks", cmd, limit=limit, label=label))
         if syncs and cuda and one not in self.venvs:
             self.set_phase("syncs", "failed", note="no Horovod build with NCCL to run on")
         elif syncs:
-            jobs.append(self.measure("syncs", "probe", "gpu_syncs.py", build=one, ranks=1))
+            jobs.append(self.measure("syncs", "probe", "syncs", build=one, ranks=1))
             if cuda:  # its CUDA cases (the CPU ones ran where the kit was made)
                 test = [*PYTEST, "tests/parallel/test_host_syncs.py", "-k", "cuda or catches"]
                 jobs.append(self.job("syncs", "test", self.horovodrun(one, 1, *test)))
@@ -470,7 +439,6 @@ class Kit:
             else:
                 entry.update(_pytest_outcome(log))
             self.report[phase][getattr(job, "label", name)] = entry
-            self.write()
         if contract:
             self.set_phase("contract", *_contract_status(self.report["contract"], runs))
         if syncs and "syncs" not in self.report["phases"]:
@@ -498,12 +466,12 @@ class Kit:
             return self.set_phase("e2e", "failed", note="no Horovod build with NCCL to run on")
         # Whole steps, then rank="auto"'s profile of each model (docs/scale.md): in the e2e
         # phase's report and log, its status only a note (the phase's verdict is the steps').
-        steps = self.measure("e2e", "steps", "gpu_timing.py", "e2e", build=build, ranks=1)
+        steps = self.measure("e2e", "steps", "e2e", build=build, ranks=1)
         steps = wait_all([steps], self.budget("e2e"))[0]
         self.report["e2e"] = _read_json(steps.path)
         result = steps.result
         self.set_phase("e2e", result["status"], result["seconds"], log=result["log_tail"])
-        profile = self.measure("e2e", "profile", "gpu_timing.py", "profile", build=build, ranks=1)
+        profile = self.measure("e2e", "profile", "profile", build=build, ranks=1)
         profile = wait_all([profile], self.budget("profile"))[0]
         self.report["profile"] = _read_json(profile.path)
         note = f"profile: {profile.result['status']} in {profile.result['seconds']:.1f} s"
@@ -512,14 +480,11 @@ class Kit:
 
 # --- building Horovod -----------------------------------------------------------------------
 def make_venv(work, variant, info) -> str:
-    """A virtual environment that sees the machine's torch, for one Horovod build.
-
-    What `python -m venv --without-pip` makes (a pyvenv.cfg and links to the
-    interpreter), written by hand: Debian's python may come without its venv module.
-    bootstrap.sh installs Horovod into it; the device's torch lives in the image's own
-    environment, which stays untouched: a .pth file adds its site-packages (and runs
-    its .pth files) behind this environment's own.
-    """
+    """A virtual environment that sees the machine's torch, for one Horovod build: what
+    `python -m venv --without-pip` makes, written by hand (Debian's python may come without
+    its venv module). bootstrap.sh installs Horovod into it; the image's own environment,
+    with the device's torch, stays untouched: a .pth file adds its site-packages (and runs
+    its .pth files) behind this environment's own."""
     venv = os.path.join(work, f"venv-{variant}")
     base = getattr(sys, "_base_executable", sys.executable)
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
@@ -529,17 +494,16 @@ def make_venv(work, variant, info) -> str:
     for name in ("python", "python3", version):
         if not os.path.lexists(os.path.join(venv, "bin", name)):
             os.symlink(base, os.path.join(venv, "bin", name))
-    with open(os.path.join(venv, "pyvenv.cfg"), "w") as f:
-        system = str(bool(info.get("system_site_packages"))).lower()
-        f.write(f"home = {os.path.dirname(base)}\ninclude-system-site-packages = {system}\n")
-        f.write(f"version = {platform.python_version()}\n")
+    system = str(bool(info.get("system_site_packages"))).lower()
+    config = f"home = {os.path.dirname(base)}\ninclude-system-site-packages = {system}\n"
+    config += f"version = {platform.python_version()}\n"
+    _atomic_write(os.path.join(venv, "pyvenv.cfg"), config)
     if info.get("in_venv"):
-        with open(os.path.join(site, "_gpu_check_base.pth"), "w") as f:
-            f.write(f"import site; site.addsitedir({info['purelib']!r})\n")
+        pth = f"import site; site.addsitedir({info['purelib']!r})\n"
+        _atomic_write(os.path.join(site, "_gpu_check_base.pth"), pth)
     # bootstrap.sh installs the project itself unless this stamp is newer than
     # setup.py: here the project comes from PYTHONPATH, and nothing can be fetched.
-    with open(os.path.join(venv, ".project-installed"), "w"):
-        pass
+    _atomic_write(os.path.join(venv, ".project-installed"), "")
     return venv
 
 
@@ -659,142 +623,6 @@ def _pct(part, whole) -> str:
     return "-" if part is None or not whole else f"{100 * part / whole:.1f} %"
 
 
-class Markdown(list):
-    """The report's lines, a block at a time, each after a blank line."""
-
-    def text(self, *parts: str) -> None:
-        self += ["", "".join(parts)]
-
-    def table(self, header: str, rows) -> None:
-        """`header` "a | b | c", `rows` lists of cells."""
-        self += ["", f"| {header} |", "|" + " --- |" * len(header.split(" | "))]
-        self += ["| " + " | ".join(str(c).replace("|", "/") for c in row) + " |" for row in rows]
-
-    def code(self, title: str, text: str) -> None:
-        self += ["", title, "", "```", text.strip(), "```"]
-
-
-MACHINE = (
-    "nvidia_smi torch torch_cuda torch_nccl nvcc_version cmake_version gxx_version python cores "
-    "mpirun horovod"
-)
-
-
-def render_markdown(report: dict) -> str:
-    probe = report.get("probe") or {}
-    cuda, md = bool(probe.get("cuda")), Markdown(["# GPU check report"])
-    md.text(
-        f"Size `{report['size']}` on {probe.get('gpu') or 'the CPU'}, started ",
-        f"{report['started_utc']} UTC, {report.get('seconds', 0):.0f} s; `{report['command']}`.",
-    )
-    if not cuda:
-        md.text(
-            "**CPU run, tiny models: these numbers say nothing about a GPU.** They show the ",
-            "report's format and that every phase runs.",
-        )
-    md.text("## Phases")
-    phases = report["phases"].items()
-    rows = [
-        (p, e["status"], e.get("seconds", "-"), e["note"].replace("\n", " ")) for p, e in phases
-    ]
-    md.table("phase | status | seconds | note", rows)
-    md.text("## Machine")
-    md += [""] + [f"- {k}: {probe[k]}" for k in MACHINE.split() if k in probe]
-    for section in (_builds, _contract, _timing, _e2e, _syncs):
-        section(md, report, cuda)
-    return "\n".join(md) + "\n"
-
-
-def _builds(md, report, cuda):
-    build = report.get("build")
-    if not build:
-        return
-    md.text("## Horovod builds")
-    md.text(f"Through scripts/bootstrap.sh, from the bundle: {', '.join(build['bundle'])}.")
-    variants = build["variants"].items()
-    rows = []
-    for variant, e in variants:
-        built = [e.get("built", {}).get(k, "-") for k in ("nccl", "gloo", "mpi", "cuda")]
-        rows.append([variant, e["status"], e.get("seconds", "-"), *built])
-    md.table("build | status | seconds | NCCL | Gloo | MPI | CUDA", rows)
-    for variant, e in variants:
-        if e["status"] != "ok":
-            tail = (e.get("log_tail") or e.get("note"))[-1200:]
-            md.code(f"{variant} build, end of its log:", tail)
-
-
-def _contract(md, report, cuda):
-    contract = report.get("contract")
-    if not contract:
-        return
-    md.text("## The user contract (tests/parallel, gpu_check.CONTRACT)")
-    rows = []
-    for label, e in contract.items():
-        failed = len(e["failed"]) if "failed" in e else e.get("outcome") or e["status"]
-        device, ranks, passed = (e.get(k, "-") for k in ("device", "ranks", "passed"))
-        rows.append([label, device, ranks, passed, failed, e["seconds"]])
-    md.table("run | device | ranks | passed | failed | seconds", rows)
-    for label, e in contract.items():
-        md += [f"- **{label}**: {name}" for name in e.get("failed", [])]
-        if "failed" in e and e["status"] != "ok":
-            md.append(f"- **{label}**: run {e['status']}: {e.get('summary')}")
-
-
-LOCAL_WORK = (
-    "local work | ms | of fp32 step | of bf16 step | + statistics ms | hook fp32 ms | hook bf16 ms"
-)
-
-
-def _timing(md, report, cuda):
-    timing = report.get("timing")
-    if not timing:
-        return
-    md.text("## Local work against forward+backward (1 worker)")
-    md.text(
-        f"{timing['device']}, {timing['clock']}, median of {timing['iterations']} after ",
-        f"{timing['warmup']} warm-up; TF32: matmul {timing['matmul_tf32']}, cuDNN ",
-        f"{timing['cudnn_tf32']}. Local work: the compressor as DistributedOptimizer drives it ",
-        "(gpu_timing.py). Hook: torch's powerSGD_hook on a 1-rank DDP, its cost over DDP's own ",
-        "all-reduce (default / batched).",
-    )
-    for name, model in timing["models"].items():
-        fb, ddp, hooks = (model.get(k) or {} for k in ("forward_backward_ms", "ddp_ms", "hook"))
-        md.text(f"### {model.get('description', name)}")
-        md.text(
-            f"forward+backward: fp32 {_ms(fb.get('fp32'))} ms, bf16 autocast ",
-            f"{_ms(fb.get('bf16'))} ms; through DDP: fp32 {_ms(ddp.get('fp32'))} ms, bf16 ",
-            f"{_ms(ddp.get('bf16'))} ms",
-        )
-        rows = []
-        for key, work in model["local_work"].items():
-            ms, none = work["ms"], "" if work["compressed_tensors"] else " (none compressed)"
-            of = [
-                hooks.get(f"rank {work['rank']}{b}", {}).get("overhead_ms", {})
-                for b in ("", ", batched")
-            ]
-            hook = [f"{_ms(of[0].get(p))} / {_ms(of[1].get(p))}" for p in ("fp32", "bf16")]
-            shares = [_pct(ms, fb.get("fp32")), _pct(ms, fb.get("bf16"))]
-            hook = hook if work["rounds"] == 2 else ["", ""]
-            rows.append([key + none, _ms(ms), *shares, _ms(work["with_statistics_ms"]), *hook])
-        md.table(LOCAL_WORK, rows)
-        first = next(iter(model["local_work"].values()), None)
-        if first:
-            phases = ", ".join(f"{k} {_ms(v)}" for k, v in first["phases_ms"].items())
-            md.text(
-                f"Rank {first['rank']}, rounds={first['rounds']}, by phase (ms; buckets ",
-                f"{first['buckets']}, compressed {first['compressed_tensors']}): {phases}.",
-            )
-        for key, graphed in (model.get("graphed") or {}).items():
-            eager, replayed = _ms(graphed["eager_ms"]), _ms(graphed["graph_ms"])
-            md.text(
-                f"The local work at {key} as one CUDA graph: eager {eager} ms, ",
-                f"replayed {replayed} ms.",
-            )
-        md += _verdict(model, cuda)
-        for key, error in model["errors"].items():
-            md.code(f"Error in {key}:", error[-800:])
-
-
 def _verdict(model, cuda) -> list[str]:
     """The target at rank 4: local work under 5 % of the step, and no more than the hook."""
     work = (model.get("local_work") or {}).get("rank 4, rounds=2")
@@ -804,46 +632,11 @@ def _verdict(model, cuda) -> list[str]:
     for precision, step in (model.get("forward_backward_ms") or {}).items() if work else ():
         hook_ms, ms = hook.get("overhead_ms", {}).get(precision), work["with_statistics_ms"]
         meets = ms / step < TARGET_SHARE and (hook_ms is None or ms <= hook_ms)
-        word = "meets the target" if meets else "misses the target"
-        out.append(
-            f"{precision}: rank 4 local work with statistics {_pct(ms, step)} of "
-            f"forward+backward, hook {_ms(hook_ms)} ms: {word if cuda else 'not judged (CPU)'}"
-        )
+        word = ("meets" if meets else "misses") + " the target" if cuda else "not judged (CPU)"
+        share = f"rank 4 local work with statistics {_pct(ms, step)} of forward+backward"
+        out.append(f"{precision}: {share}, hook {_ms(hook_ms)} ms: {word}")
     target = "Target (under 5 % of the step at rank 4, and no more than the hook): "
     return ["", target + "; ".join(out) + "."] if out else []
-
-
-def _e2e(md, report, cuda):
-    e2e, profile = report.get("e2e"), report.get("profile")
-    if e2e:
-        md.text(
-            f"## Whole steps through Horovod ({e2e['ranks']} rank, NCCL built: {e2e['nccl_built']})"
-        )
-        rows = []
-        for name, m in e2e["models"].items():
-            rows += [
-                [name, label, _ms(t["fp32"]), _ms(t["bf16"])] for label, t in m["step_ms"].items()
-            ]
-            rows += [
-                [name, label, "error: " + e.strip().splitlines()[-1][:120], ""]
-                for label, e in m["errors"].items()
-            ]
-        md.table("model | configuration | fp32 step ms | bf16 step ms", rows)
-    if profile:
-        md.text(
-            f'## rank="auto"\'s profile on this device ({profile["ranks"]} rank; ',
-            "`python -m horovod_powersgd.bench.scale --profile`, docs/scale.md)",
-        )
-        rows = []
-        for name, model in profile["models"].items():
-            got, error = model.get("profile") or {}, (model.get("error") or "").strip().splitlines()
-            step_ms, backward_ms = (
-                _ms(got[k] * 1000.0) if got.get(k) else "-" for k in ("step_s", "backward_s")
-            )
-            steps, buckets = len(model.get("steps_ms") or []), len(got.get("buckets") or [])
-            timed = [step_ms, backward_ms, buckets, error[-1][:120] if error else ""]
-            rows.append([name, model["precision"], steps, *timed])
-        md.table("model | precision | steps | step ms | backward ms | buckets | error", rows)
 
 
 def classify(entry: dict, drift_every: int) -> str:
@@ -860,39 +653,172 @@ def classify(entry: dict, drift_every: int) -> str:
     return "NOT BY DESIGN: in steady-state steps"
 
 
-def _syncs(md, report, cuda):
-    syncs = report.get("syncs")
-    if not syncs:
-        return
-    md.text("## Host reads and syncs in training steps (gpu_syncs.py)")
-    probe = (syncs.get("probe") or {}).get("result") or {}
-    every = probe.get("drift_check_every", 20)
-    for config in probe.get("configs", []):
-        waits = ", ".join(map(str, sorted(set(config["collective_waits_per_step"].values()))))
-        md.text(
-            f"### {probe['model']} on {probe['device']}, ",
-            f"rounds={config['rounds']}, {config['wire']} wire",
+class Report(list):
+    """report.md's lines, a block at a time, each after a blank line: the phases, the
+    machine, then a part per key of report.json, each rendered by the method of its name."""
+
+    SECTIONS = ("build", "contract", "timing", "e2e", "profile", "syncs")
+    MACHINE = (
+        "nvidia_smi torch torch_cuda torch_nccl nvcc_version cmake_version gxx_version python "
+        "cores mpirun horovod"
+    )
+    LOCAL_WORK = (
+        "local work | ms | of fp32 step | of bf16 step | + statistics ms | hook fp32 ms | "
+        "hook bf16 ms"
+    )
+
+    def __init__(self, report: dict):
+        super().__init__(["# GPU check report"])
+        probe = report.get("probe") or {}
+        self.cuda = bool(probe.get("cuda"))
+        self.text(
+            f"Size `{report['size']}` on {probe.get('gpu') or 'the CPU'}, started ",
+            f"{report['started_utc']} UTC, {report.get('seconds', 0):.0f} s; ",
+            f"`{report['command']}`.",
         )
-        md.text(
-            f'drift_check_every={every}, statistics every 10 steps. Sync debug mode "error" on ',
-            f"step {config['error_mode_step']}: {config['error_mode']}. Host waits for ",
-            f"collectives per step: {waits} (by design: Horovod returns a collective's result to ",
-            "the host).",
+        if not self.cuda:
+            self.text(
+                "**CPU run, tiny models: these numbers say nothing about a GPU.** They show the ",
+                "report's format and that every phase runs.",
+            )
+        self.text("## Phases")
+        phases = report["phases"].items()
+        rows = [
+            (p, e["status"], e.get("seconds", "-"), e["note"].replace("\n", " ")) for p, e in phases
+        ]
+        self.table("phase | status | seconds | note", rows)
+        self.text("## Machine")
+        self += [""] + [f"- {k}: {probe[k]}" for k in self.MACHINE.split() if k in probe]
+        for key in self.SECTIONS:  # each with what its phase reported, if anything
+            if report.get(key):
+                getattr(self, key)(report[key])
+
+    def text(self, *parts: str) -> None:
+        self += ["", "".join(parts)]
+
+    def table(self, header: str, rows) -> None:
+        """`header` "a | b | c", `rows` lists of cells."""
+        self += ["", f"| {header} |", "|" + " --- |" * len(header.split(" | "))]
+        self += ["| " + " | ".join(str(c).replace("|", "/") for c in row) + " |" for row in rows]
+
+    def code(self, title: str, text: str) -> None:
+        self += ["", title, "", "```", text.strip(), "```"]
+
+    @staticmethod
+    def last_line(text) -> str:
+        return text.strip().splitlines()[-1][:120] if text and text.strip() else ""
+
+    def build(self, build):
+        """The Horovod builds, with the machine: what each holds, a failed one's end of log."""
+        self.append(f"- Horovod builds by scripts/bootstrap.sh, from {', '.join(build['bundle'])}:")
+        for variant, e in build["variants"].items():
+            built = ", ".join(f"{k} {v}" for k, v in e.get("built", {}).items()) or "-"
+            self.append(f"  - {variant}: {e['status']}, {e.get('seconds', '-')} s; built: {built}")
+            if e["status"] != "ok":
+                tail = (e.get("log_tail") or e.get("note"))[-1200:]
+                self.code(f"{variant} build, end of its log:", tail)
+
+    def contract(self, contract):
+        self.text("## The user contract (tests/parallel, gpu_check.CONTRACT)")
+        rows = []
+        for label, e in contract.items():
+            failed = len(e["failed"]) if "failed" in e else e.get("outcome") or e["status"]
+            device, ranks, passed = (e.get(k, "-") for k in ("device", "ranks", "passed"))
+            rows.append([label, device, ranks, passed, failed, e["seconds"]])
+        self.table("run | device | ranks | passed | failed | seconds", rows)
+        for label, e in contract.items():
+            self += [f"- **{label}**: {name}" for name in e.get("failed", [])]
+            if "failed" in e and e["status"] != "ok":
+                self.append(f"- **{label}**: run {e['status']}: {e.get('summary')}")
+
+    def timing(self, timing):
+        self.text("## Local work against forward+backward (1 worker)")
+        self.text(
+            f"{timing['device']}, {timing['clock']}, median of {timing['iterations']} after ",
+            f"{timing['warmup']} warm-up; TF32: matmul {timing['matmul_tf32']}, cuDNN ",
+            f"{timing['cudnn_tf32']}. Local work: the compressor as DistributedOptimizer drives ",
+            "it. Hook: what torch's powerSGD_hook adds to a 1-rank DDP step (default / batched).",
+        )
+        for name, model in timing["models"].items():
+            fb, ddp, hooks = (model.get(k) or {} for k in ("forward_backward_ms", "ddp_ms", "hook"))
+            self.text(f"### {model.get('description', name)}")
+            self.text(
+                f"forward+backward: fp32 {_ms(fb.get('fp32'))} ms, bf16 autocast ",
+                f"{_ms(fb.get('bf16'))} ms; through DDP: fp32 {_ms(ddp.get('fp32'))} ms, bf16 ",
+                f"{_ms(ddp.get('bf16'))} ms",
+            )
+            rows = []
+            for key, work in model["local_work"].items():
+                ms, none = work["ms"], "" if work["compressed_tensors"] else " (none compressed)"
+                rank = f"rank {work['rank']}"
+                of = [hooks.get(rank + b, {}).get("overhead_ms", {}) for b in ("", ", batched")]
+                hook = [f"{_ms(of[0].get(p))} / {_ms(of[1].get(p))}" for p in ("fp32", "bf16")]
+                shares = [_pct(ms, fb.get("fp32")), _pct(ms, fb.get("bf16"))]
+                hook = hook if work["rounds"] == 2 else ["", ""]
+                rows.append([key + none, _ms(ms), *shares, _ms(work["with_statistics_ms"]), *hook])
+            self.table(self.LOCAL_WORK, rows)
+            first = next(iter(model["local_work"].values()), None)
+            if first:
+                phases = ", ".join(f"{k} {_ms(v)}" for k, v in first["phases_ms"].items())
+                self.text(
+                    f"Rank {first['rank']}, rounds={first['rounds']}, by phase (ms; buckets ",
+                    f"{first['buckets']}, compressed {first['compressed_tensors']}): {phases}.",
+                )
+            for key, graphed in (model.get("graphed") or {}).items():
+                eager, graph = _ms(graphed["eager_ms"]), _ms(graphed["graph_ms"])
+                times = f"eager {eager} ms, replayed {graph} ms"
+                self.text(f"The local work at {key} as one CUDA graph: {times}.")
+            self += _verdict(model, self.cuda)
+            for key, error in model["errors"].items():
+                self.code(f"Error in {key}:", error[-800:])
+
+    def e2e(self, e2e):
+        ranks, nccl = e2e["ranks"], e2e["nccl_built"]
+        self.text(f"## Whole steps through Horovod ({ranks} rank, NCCL built: {nccl})")
+        rows = []
+        for name, m in e2e["models"].items():
+            rows += [[name, k, _ms(t["fp32"]), _ms(t["bf16"])] for k, t in m["step_ms"].items()]
+            rows += [[name, k, "error: " + self.last_line(e), ""] for k, e in m["errors"].items()]
+        self.table("model | configuration | fp32 step ms | bf16 step ms", rows)
+
+    def profile(self, profile):
+        self.text(
+            f'## rank="auto"\'s profile on this device ({profile["ranks"]} rank; ',
+            "`python -m horovod_powersgd.bench.scale --profile`, docs/scale.md)",
         )
         rows = []
-        for source, key in (("counted", "counted"), ("sync debug", "cuda_sync_debug")):
-            for e in config[key]:
-                steps = ", ".join(map(str, e["steps"][:6])) + " ..." * (len(e["steps"]) > 6)
-                rows.append(
-                    [source, f"`{e['site']}`", e["method"], steps, e["count"], classify(e, every)]
-                )
-        md.table("source | site | call | steps | count | why", rows)
-    if syncs.get("test"):
-        test = syncs["test"]
-        md.text(
-            "tests/parallel/test_host_syncs.py on this machine: ",
-            f"{test.get('summary')} ({test['status']}).",
-        )
+        for name, model in profile["models"].items():
+            got = model.get("profile") or {}
+            times = [_ms(got[k] * 1000.0) if got.get(k) else "-" for k in ("step_s", "backward_s")]
+            steps, buckets = len(model.get("steps_ms") or []), len(got.get("buckets") or [])
+            error = self.last_line(model.get("error"))
+            rows.append([name, model["precision"], steps, *times, buckets, error])
+        self.table("model | precision | steps | step ms | backward ms | buckets | error", rows)
+
+    def syncs(self, syncs):
+        self.text("## Host reads and syncs in training steps (gpu_timing.py syncs)")
+        probe = (syncs.get("probe") or {}).get("result") or {}
+        every = probe.get("drift_check_every", 20)
+        for config in probe.get("configs", []):
+            waits = ", ".join(map(str, sorted(set(config["collective_waits_per_step"].values()))))
+            where = f"{probe['model']} on {probe['device']}"
+            self.text(f"### {where}, rounds={config['rounds']}, {config['wire']} wire")
+            self.text(
+                f'drift_check_every={every}, statistics every 10 steps. Sync debug mode "error" ',
+                f"on step {config['error_mode_step']}: {config['error_mode']}. Host waits for ",
+                f"collectives per step: {waits} (by design: Horovod returns a collective's result ",
+                "to the host).",
+            )
+            rows = []
+            for source, key in (("counted", "counted"), ("sync debug", "cuda_sync_debug")):
+                for e in config[key]:
+                    steps = ", ".join(map(str, e["steps"][:6])) + " ..." * (len(e["steps"]) > 6)
+                    why = classify(e, every)
+                    rows.append([source, f"`{e['site']}`", e["method"], steps, e["count"], why])
+            self.table("source | site | call | steps | count | why", rows)
+        if test := syncs.get("test"):
+            summary = f"{test.get('summary')} ({test['status']})"
+            self.text(f"tests/parallel/test_host_syncs.py on this machine: {summary}.")
 
 
 def main(argv=None) -> int:
@@ -907,12 +833,7 @@ def main(argv=None) -> int:
     add("--work", default=work, help="build environments, partial results (not sent back)")
     add("--size", default="auto", choices=["auto", "full", "tiny"], help="auto: full with CUDA")
     add("--build", default="auto", choices=["auto", "yes", "no"], help="auto: where CUDA is")
-    add(
-        "--build-variants",
-        default="",
-        help="of nccl,gloo,cpu (default: nccl,gloo with CUDA, "
-        "else cpu); nccl,gloo without a GPU rehearses the device's builds",
-    )
+    add("--build-variants", default="", help="of nccl,gloo,cpu (default: nccl,gloo with CUDA)")
     add("--budget", type=float, default=0, help="seconds in all (0: the size's)")
     add("--phases", default=",".join(PHASES), help="the phases to run")
     add("--fail", default="", help="phases made to fail (tests the report)")

@@ -1,27 +1,18 @@
-"""What PowerSGD's local work costs next to a step's forward and backward pass (the GPU kit's
-timing and e2e phases; models from horovod_powersgd/bench/models.py).
+"""The GPU kit's measurements: its timing, e2e and syncs phases (docs/gpu.md says what each
+measures; the models are horovod_powersgd/bench/models.py's).
 
     python scripts/gpu/gpu_timing.py local --json t.json --size full    # no Horovod needed
     horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu/gpu_timing.py e2e --json e.json
     horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu/gpu_timing.py profile --json p.json
+    horovodrun -np 1 -H localhost:1 --gloo python scripts/gpu/gpu_timing.py syncs --json s.json
 
-``local``, per model, in float32 and under bfloat16 autocast: forward+backward alone;
-PowerSGD's local work for one worker at each rank, both schedules and both
-orthogonalisations, through compressor.local_step (the reducer's segments: M = g + e and
-P = M·Q̂, orthogonalise P and Q = Mᵀ·P̂, e = M − P̂·Qᵀ, P̂·Qᵀ) after begin_step
-(orthogonalise the memory), with the per-layer norms the statistics take every step
-timed apart; its gradients are float32 either way, so it is timed once, on the float32
-pass's; torch's ``powerSGD_hook`` on a 1-rank DDP (NCCL; Gloo on the CPU), its cost over
-DDP's own all-reduce (its default, and ``batch_tensors_with_same_shape=True``); last, on
-CUDA, the local work at rank 4 as one CUDA graph.
-
-``e2e`` (1 rank): whole steps of ``hvd.DistributedOptimizer`` against
-``horovod_powersgd.DistributedOptimizer``. ``profile`` (1 rank): a ``rank="auto"`` job of
-each model (ResNet-50 fp32, GPT-2 bf16) until auto writes its profile
-(``HOROVOD_POWERSGD_PROFILE``, for ``python -m horovod_powersgd.bench.scale``, docs/scale.md).
-
-Times: CUDA events on CUDA (whole steps: the wall clock, waited for), else the wall
-clock; the median of the timed iterations after warm-up.
+``local``: per model, forward+backward in float32 and under bfloat16 autocast, against
+PowerSGD's local work (`local_work`: each rank, both schedules, both orthogonalisations) and
+torch's ``powerSGD_hook`` on a 1-rank DDP (`ddp_times`); last, on CUDA, the local work as one
+CUDA graph. ``e2e``: whole steps of Horovod's optimizer and this library's. ``profile``:
+auto's profile of each model (`run_profile`). ``syncs``: the host reads and syncs of
+steady-state steps (`run_syncs`). Times: CUDA events on CUDA (whole steps: the wall clock,
+waited for), else the wall clock; the median of the timed iterations after warm-up.
 """
 
 from __future__ import annotations
@@ -33,14 +24,22 @@ import itertools
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 import traceback
+import warnings
+from unittest import mock
 
 import torch
+import torch.distributed as dist
 
+import horovod_powersgd as hps  # its optimizer imports Horovod on first use only
 from horovod_powersgd import linalg
 from horovod_powersgd.bench import models
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "parallel"))
+from host_reads import HostReads, repo_path
 
 MODELS = ("resnet50", "gpt2")
 PRECISIONS = ("fp32", "bf16")
@@ -51,8 +50,7 @@ ITERATIONS = {"full": (5, 10), "tiny": (4, 3)}
 
 
 class Clock:
-    """Marks on the device's timeline: CUDA events, or the wall clock on the CPU; and
-    the warm-up and timed iterations of a measurement at `size`."""
+    """Marks on the device's timeline (CUDA events, else the wall clock); warm-up, timed calls."""
 
     def __init__(self, device: torch.device, size: str):
         self.device, self.cuda = device, device.type == "cuda"
@@ -75,20 +73,13 @@ class Clock:
     def median_ms(self, run) -> float:
         """Median ms of `run()` on the device's timeline, after the warm-up calls."""
         times = []
-        for i in range(self.warmup + self.iters):
+        for _ in range(self.warmup + self.iters):
             start = self.mark()
             run()
             end = self.mark()
             self.wait()
-            if i >= self.warmup:
-                times.append(self.ms(start, end))
-        return float(statistics.median(times))
-
-
-def autocast(device: torch.device, precision: str):
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+            times.append(self.ms(start, end))
+        return float(statistics.median(times[self.warmup :]))
 
 
 def forward_backward(workload, precision, clock, model=None) -> float:
@@ -98,7 +89,7 @@ def forward_backward(workload, precision, clock, model=None) -> float:
 
     def run():
         model.zero_grad(set_to_none=False)
-        with autocast(clock.device, precision):
+        with torch.autocast(clock.device.type, torch.bfloat16, enabled=precision == "bf16"):
             loss = workload.loss(model, batch)
         loss.backward()
 
@@ -107,13 +98,8 @@ def forward_backward(workload, precision, clock, model=None) -> float:
 
 # --- PowerSGD's local work ------------------------------------------------------------------
 def _compressor(model, rank: int, rounds: int):
-    """The compressor, buckets and monitor DistributedOptimizer would build for `model`.
-
-    Internal API (horovod_powersgd.compressor/reducer/monitor): if it changes, this
-    measurement reports the error and the kit goes on.
-    """
-    from horovod_powersgd.compressor import PowerSGDCompressor
-    from horovod_powersgd.config import PowerSGDConfig
+    """The compressor, buckets and monitor DistributedOptimizer would build for `model`
+    (internal API: should it change, this measurement reports the error, the kit goes on)."""
     from horovod_powersgd.monitor import LayerMonitor
     from horovod_powersgd.reducer import make_buckets
 
@@ -121,8 +107,9 @@ def _compressor(model, rank: int, rounds: int):
     params = [p for p in model.parameters() if p.requires_grad]
     buckets = make_buckets(params)
     bucket_of = {names[p]: b.index for b in buckets for p in b.params}
-    config = PowerSGDConfig(rank=rank, rounds=rounds)
-    compressor = PowerSGDCompressor([(names[p], p) for p in params], config, bucket_of=bucket_of)
+    config = hps.PowerSGDConfig(rank=rank, rounds=rounds)
+    named = [(names[p], p) for p in params]
+    compressor = hps.PowerSGDCompressor(named, config, bucket_of=bucket_of)
     monitor = LayerMonitor(compressor, lambda t, name: t, workers=1, reporter=False)
     return compressor, [b.index for b in buckets], monitor
 
@@ -138,12 +125,14 @@ def _method(method: str):
 
 
 def local_work(model, rank, rounds, clock, graph=False) -> dict:
-    """Median ms of one worker's PowerSGD step on the model's current gradients.
+    """Median ms of one worker's PowerSGD step on the model's current gradients (float32
+    under autocast too, so timed once, on the float32 pass's): begin_step (orthogonalise the
+    memory), compressor.local_step per bucket (the reducer's segments: M = g + e and P = M·Q̂,
+    orthogonalise P and Q = Mᵀ·P̂, e = M − P̂·Qᵀ, P̂·Qᵀ), the statistics' norms timed apart.
 
-    `graph` (CUDA): the same step captured once as a CUDA graph and replayed (the
-    library does not capture graphs itself). The compressor's Python state (step
-    counters) advances only at the capture, which is what a replayed step of fixed
-    shapes does too.
+    `graph` (CUDA): the same step captured once as a CUDA graph and replayed (the library
+    does not capture graphs itself); the compressor's Python state (step counters) advances
+    only at the capture, as in a replayed step of fixed shapes.
     """
     from horovod_powersgd.compressor import local_step  # internal API, as _compressor's
 
@@ -183,18 +172,17 @@ def local_work(model, rank, rounds, clock, graph=False) -> dict:
         return {"eager_ms": totals, "graph_ms": clock.median_ms(graphed.replay)}
     # A second pass with a mark between phases (the marks themselves cost a little,
     # so the total above comes from a pass without them).
-    breakdown = {phase: [] for phase in phases}
-    for i in range(clock.warmup + clock.iters):
-        marks = []
+    passes = []
+    for _ in range(clock.warmup + clock.iters):
+        marks, spent = [], dict.fromkeys(phases, 0.0)
         one_step(marks)
         clock.wait()
-        spent = dict.fromkeys(phases, 0.0)
         for (_, before), (phase, after) in zip(marks, marks[1:]):
             spent[phase] += clock.ms(before, after)
-        for phase in phases if i >= clock.warmup else ():
-            breakdown[phase].append(spent[phase])
+        passes.append(spent)
+    timed = passes[clock.warmup :]
+    phases_ms = {phase: float(statistics.median(t[phase] for t in timed)) for phase in phases}
     p, q = compressor.elements_per_step()
-    phases_ms = {phase: float(statistics.median(v)) for phase, v in breakdown.items()}
     return {
         "ms": totals,
         "with_statistics_ms": totals + phases_ms["statistics"],
@@ -207,11 +195,8 @@ def local_work(model, rank, rounds, clock, graph=False) -> dict:
 
 
 def _graphed(one_step, generators):
-    """`one_step(None)` captured once as a CUDA graph (warm-up on a side stream).
-
-    The compressor's generators (its random draws) are registered with the graph:
-    a CUDA generator of one's own may not advance in a capture otherwise.
-    """
+    """`one_step(None)` captured once as a CUDA graph (warm-up on a side stream), with the
+    compressor's generators (its random draws) registered: else they may not advance in it."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -229,8 +214,6 @@ def _graphed(one_step, generators):
 # --- torch's powerSGD_hook on a 1-rank DDP ---------------------------------------------------
 @contextlib.contextmanager
 def one_rank_process_group(device):
-    import torch.distributed as dist
-
     with tempfile.TemporaryDirectory() as tmp:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=0, world_size=1)
@@ -241,7 +224,8 @@ def one_rank_process_group(device):
 
 
 def ddp_times(name, size, clock, rank=None, batched=False) -> dict:
-    """Median ms of forward+backward through DDP per precision: plain, or with the hook."""
+    """Median ms of forward+backward through DDP per precision: plain, or with the hook
+    (NCCL; Gloo on the CPU), its default or ``batch_tensors_with_same_shape=True``."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hook
     from torch.nn.parallel import DistributedDataParallel
 
@@ -268,28 +252,22 @@ def ddp_times(name, size, clock, rank=None, batched=False) -> dict:
             batch_tensors_with_same_shape=batched,
         )
         ddp.register_comm_hook(state, hook.powerSGD_hook)
-    return {
-        precision: forward_backward(workload, precision, clock, model=ddp)
-        for precision in PRECISIONS
-    }
+    return {p: forward_backward(workload, p, clock, ddp) for p in PRECISIONS}
 
 
 def _guarded(errors: dict, key: str, measure, *args):
-    """`measure(*args)`, or None with its traceback in `errors[key]`: a failure costs one
-    number, not the others'."""
+    """`measure(*args)`, or None with its traceback in `errors[key]`: one failure, one number."""
     try:
         return measure(*args)
     except Exception:
         errors[key] = traceback.format_exc()[-2000:]
-        return None
     finally:
         gc.collect()
 
 
 def run_local(args) -> dict:
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    clock = Clock(device, args.size)
+    clock = Clock(torch.device("cuda", 0) if cuda else torch.device("cpu"), args.size)
     result = {
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "size": args.size,
@@ -303,8 +281,9 @@ def run_local(args) -> dict:
     for name in MODELS:
         started = time.perf_counter()
         entry = result["models"][name] = {"errors": {}, "local_work": {}, "hook": {}}
+        errors = entry["errors"]
         try:
-            workload = models.workload(name, args.size, device)
+            workload = models.workload(name, args.size, clock.device)
             entry["description"] = workload.description
             entry["forward_backward_ms"] = {
                 precision: forward_backward(workload, precision, clock)
@@ -315,23 +294,21 @@ def run_local(args) -> dict:
             for method, rounds, rank in itertools.product(linalg.METHODS, (2, 1), RANKS):
                 key = f"rank {rank}, rounds={rounds}" + _method_key(method)
                 with _method(method):
-                    work = _guarded(
-                        entry["errors"], key, local_work, workload.model, rank, rounds, clock
-                    )
+                    work = _guarded(errors, key, local_work, workload.model, rank, rounds, clock)
                 if work:
                     entry["local_work"][key] = {"rank": rank, "rounds": rounds, **work}
             del workload
-            with one_rank_process_group(device):
+            with one_rank_process_group(clock.device):
                 entry["ddp_ms"] = ddp_times(name, args.size, clock)
                 for batched, rank in itertools.product((False, True), RANKS):
                     key = f"rank {rank}{', batched' if batched else ''}"
                     hook = (name, args.size, clock, rank, batched)
-                    times = _guarded(entry["errors"], f"hook {key}", ddp_times, *hook)
+                    times = _guarded(errors, f"hook {key}", ddp_times, *hook)
                     if times:  # the hook's cost: over DDP's own all-reduce
                         overhead = {p: times[p] - entry["ddp_ms"][p] for p in PRECISIONS}
                         entry["hook"][key] = {"ddp_ms": times, "overhead_ms": overhead}
         except Exception:
-            entry["errors"]["model"] = traceback.format_exc()[-3000:]
+            errors["model"] = traceback.format_exc()[-3000:]
         entry["seconds"] = time.perf_counter() - started
         if cuda:
             entry["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -373,22 +350,18 @@ def horovod_device(hvd) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _training(name, size, device, rank=None, rounds=2):
-    """(workload, optimizer, batch): Horovod's optimizer (`rank` None), or this library's.
-
-    A fresh model each time: Horovod's optimizer leaves its hooks behind.
-    """
+def _training(name, size, device, **powersgd):
+    """(workload, optimizer, batch): this library's optimizer with the arguments `powersgd`,
+    or Horovod's without any. A fresh model each time: Horovod's leaves its hooks behind."""
     import horovod.torch as hvd
-
-    import horovod_powersgd as hps
 
     workload = models.workload(name, size, device)
     sgd = torch.optim.SGD(workload.model.parameters(), lr=1e-4, momentum=0.9)
     named = workload.model.named_parameters()
-    if rank is None:
-        opt = hvd.DistributedOptimizer(sgd, named_parameters=named)
+    if powersgd:
+        opt = hps.DistributedOptimizer(sgd, named_parameters=named, **powersgd)
     else:
-        opt = hps.DistributedOptimizer(sgd, named_parameters=named, rank=rank, rounds=rounds)
+        opt = hvd.DistributedOptimizer(sgd, named_parameters=named)
     return workload, opt, workload.batch(torch.Generator().manual_seed(0))
 
 
@@ -396,7 +369,7 @@ def _timed_step(opt, workload, batch, precision, clock) -> float:
     """One training step through `opt`, waited for; its wall-clock ms."""
     start = time.perf_counter()
     opt.zero_grad()
-    with autocast(clock.device, precision):
+    with torch.autocast(clock.device.type, torch.bfloat16, enabled=precision == "bf16"):
         loss = workload.loss(workload.model, batch)
     loss.backward()
     opt.step()
@@ -407,15 +380,13 @@ def _timed_step(opt, workload, batch, precision, clock) -> float:
 def run_e2e(args) -> dict:
     import horovod.torch as hvd
 
-    clock = Clock(horovod_device(hvd), args.size)
-    rank = RANKS[0]
-    configs = [("horovod", None, 2)] + [
-        (f"powersgd rank {rank}, rounds={rounds}", rank, rounds) for rounds in (2, 1)
-    ]
+    clock, rank = Clock(horovod_device(hvd), args.size), RANKS[0]
+    configs = {"horovod": {}}  # Horovod's optimizer, then this library's
+    configs.update({f"powersgd rank {rank}, rounds={r}": dict(rank=rank, rounds=r) for r in (2, 1)})
     result = {"ranks": hvd.size(), "nccl_built": bool(hvd.nccl_built()), "models": {}}
-    for name, (label, rank, rounds) in itertools.product(MODELS, configs):
+    for name, (label, powersgd) in itertools.product(MODELS, configs.items()):
         entry = result["models"].setdefault(name, {"step_ms": {}, "errors": {}})
-        steps = (entry, name, args.size, clock, rank, rounds)
+        steps = (entry, name, args.size, clock, powersgd)
         times = _guarded(entry["errors"], label, _whole_steps, *steps)
         if times:
             entry["step_ms"][label] = times
@@ -426,16 +397,13 @@ def run_e2e(args) -> dict:
     return result
 
 
-def _whole_steps(entry, name, size, clock, rank, rounds) -> dict:
-    """Median ms of a whole training step per precision (`rank` None: Horovod's)."""
-    workload, opt, batch = _training(name, size, clock.device, rank, rounds)
+def _whole_steps(entry, name, size, clock, powersgd) -> dict:
+    """Median ms of a whole training step per precision (as _training's `powersgd`)."""
+    workload, opt, batch = _training(name, size, clock.device, **powersgd)
     entry["description"] = workload.description
-    times = {}
+    times, steps = {}, clock.warmup + clock.iters
     for precision in PRECISIONS:
-        ms = [
-            _timed_step(opt, workload, batch, precision, clock)
-            for _ in range(clock.warmup + clock.iters)
-        ]
+        ms = [_timed_step(opt, workload, batch, precision, clock) for _ in range(steps)]
         times[precision] = float(statistics.median(ms[clock.warmup :]))
     return times
 
@@ -446,7 +414,8 @@ PROFILE_MAX_STEPS = 60  # auto writes its profile after its measuring steps (abo
 
 
 def run_profile(args) -> dict:
-    """rank="auto" on each model until it writes its profile; the profiles in the JSON."""
+    """rank="auto" on each model (in PROFILE_PRECISION) until it writes its profile
+    (HOROVOD_POWERSGD_PROFILE: for python -m horovod_powersgd.bench.scale, docs/scale.md)."""
     import horovod.torch as hvd
 
     from horovod_powersgd.tuner import PROFILE_VARIABLE
@@ -454,16 +423,11 @@ def run_profile(args) -> dict:
     clock = Clock(horovod_device(hvd), args.size)
     result = {"ranks": hvd.size(), "device": str(clock.device), "models": {}}
     for name in MODELS:
-        precision = PROFILE_PRECISION[name]
-        entry = result["models"][name] = {"precision": precision}
+        entry = result["models"][name] = {"precision": PROFILE_PRECISION[name]}
         path = os.environ[PROFILE_VARIABLE] = os.path.join(tempfile.mkdtemp(), "profile.json")
-        errors = {}
-        got = _guarded(errors, "error", _profile, entry, name, args.size, clock, path)
-        os.environ.pop(PROFILE_VARIABLE)
-        if got:
-            entry["profile"] = got
-        else:
-            entry["error"] = errors["error"]
+        profile = _guarded(entry, "error", _profile, entry, name, args.size, clock, path)
+        if profile:
+            entry["profile"] = profile
         if clock.cuda:
             torch.cuda.empty_cache()
         if hvd.rank() == 0:
@@ -483,6 +447,116 @@ def _profile(entry, name, size, clock, path) -> dict:
         return json.load(f)
 
 
+# --- host reads and syncs of steady-state steps ---------------------------------------------
+SYNC_STEPS = 21  # steps per configuration: the statistics twice, the drift check once
+DRIFT_EVERY = 20  # drift_check_every: one check (step 20), and the one after the first
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_SKIP_FILES = (os.path.abspath(__file__), os.path.abspath(warnings.__file__))
+
+
+@contextlib.contextmanager
+def cuda_sync_reports(mode: str = "warn"):
+    """Inside: torch.cuda's sync debug mode; yields the list of (site, message) it reported:
+    in "warn" mode every synchronising CUDA call of torch is a warning, caught here with the
+    innermost caller outside torch; in "error" mode it raises (and nothing is collected)."""
+    found: list[dict] = []
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        show = warnings.showwarning  # catch_warnings puts it back
+
+        def capture(message, *where):
+            if "synchroniz" not in str(message):
+                return show(message, *where)
+            site, code = "?", ""
+            for entry in reversed(traceback.extract_stack()[:-1]):
+                path = os.path.abspath(entry.filename)
+                if path not in _SKIP_FILES and not path.startswith(_TORCH_DIR):
+                    site, code = f"{repo_path(path)}:{entry.lineno}", (entry.line or "").strip()
+                    break
+            found.append({"site": site, "code": code, "message": str(message).splitlines()[0]})
+
+        warnings.showwarning = capture
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+
+
+def _summary(steps: dict[int, list[dict]]) -> list[dict]:
+    """Per (site, method): the steps where it happened and how many times in all."""
+    where: dict[tuple, dict] = {}
+    for step, reads in sorted(steps.items()):
+        for read in reads:
+            entry = where.setdefault((read["site"], read["method"]), {**read, "steps": []})
+            entry["count"] = entry.get("count", 0) + 1
+            if step not in entry["steps"]:
+                entry["steps"].append(step)
+    return sorted(where.values(), key=lambda e: (e["steps"][0], e["site"]))
+
+
+def run_syncs(args) -> dict:
+    """SYNC_STEPS steps per configuration (both schedules, float32 and float16 on the wire):
+    each step's host reads (`HostReads`, tests/parallel/host_reads.py), waits for Horovod's
+    collectives and, on CUDA, what ``torch.cuda.set_sync_debug_mode`` reports (it catches
+    C++ code's synchronising calls too); then one step in its "error" mode."""
+    import horovod.torch as hvd
+
+    clock = Clock(horovod_device(hvd), args.size)
+    out = {"device": str(clock.device), "ranks": hvd.size(), "drift_check_every": DRIFT_EVERY}
+    out["configs"] = []
+    for rounds, comm_dtype in itertools.product((2, 1), (None, torch.float16)):
+        # A fresh model per configuration, as for the whole steps.
+        options = dict(rank=4, rounds=rounds, comm_dtype=comm_dtype, drift_check_every=DRIFT_EVERY)
+        workload, opt, batch = _training("resnet50", args.size, clock.device, **options)
+        out["model"] = workload.description
+        counted, synced, waits = {}, {}, {}
+        # Each hvd.synchronize is the host waiting for a collective's result.
+        sync = mock.patch.object(hvd, "synchronize", wraps=hvd.synchronize)
+        with HostReads() as reads, sync as collective_waits:
+            for step in range(1, SYNC_STEPS + 1):
+                opt.zero_grad()
+                before = collective_waits.call_count
+                with contextlib.ExitStack() as stack:
+                    syncs = stack.enter_context(cuda_sync_reports("warn")) if clock.cuda else []
+                    stack.enter_context(reads.recording(str(step)))
+                    workload.loss(workload.model, batch).backward()
+                    opt.step()
+                clock.wait()
+                counted[step] = [vars(r) for r in reads.by_label[str(step)]]  # Read's fields
+                synced[step] = [{**r, "method": "sync", "device": "cuda"} for r in syncs]
+                waits[step] = collective_waits.call_count - before
+        config = {
+            "rounds": rounds,
+            "wire": "fp16" if comm_dtype else "fp32",
+            "counted": _summary(counted),
+            "cuda_sync_debug": _summary(synced),
+            "collective_waits_per_step": waits,
+            # One more step with sync debug mode "error": on a step that is no multiple of
+            # a periodic check, any synchronising call raises here.
+            "error_mode_step": SYNC_STEPS + 1,
+            "error_mode": "not run (no CUDA: sync debug mode is CUDA's)",
+        }
+        if clock.cuda:
+            opt.zero_grad()
+            try:
+                with cuda_sync_reports("error"):
+                    workload.loss(workload.model, batch).backward()
+                    opt.step()
+                torch.cuda.synchronize()
+                config["error_mode"] = "passed"
+            except RuntimeError as exc:
+                first = str(exc).strip().splitlines()[0]
+                config["error_mode"] = f"raised: {type(exc).__name__}: {first}"
+                config["error_mode_traceback"] = traceback.format_exc()[-3000:]
+        out["configs"].append(config)
+        del opt, workload
+    if hvd.rank() == 0:
+        write_json(args.json, out)
+    return out
+
+
 def write_json(path, result) -> None:
     """`result` into `path` at once: a run stopped from outside leaves the last whole one."""
     with open(path + ".tmp", "w") as f:
@@ -490,16 +564,12 @@ def write_json(path, result) -> None:
     os.replace(path + ".tmp", path)
 
 
-def main_args(doc: str, commands=()) -> argparse.Namespace:
-    """The arguments of the kit's measuring scripts: where the JSON goes, the models' size."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    if commands:
-        parser.add_argument("command", choices=commands)
-    parser.add_argument("--json", required=True, help="where rank 0 writes the result")
-    parser.add_argument("--size", default="tiny", choices=["tiny", "full"])
-    return parser.parse_args()
-
+COMMANDS = {"local": run_local, "e2e": run_e2e, "profile": run_profile, "syncs": run_syncs}
 
 if __name__ == "__main__":
-    args = main_args(__doc__, ("local", "e2e", "profile"))
-    {"local": run_local, "e2e": run_e2e, "profile": run_profile}[args.command](args)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=COMMANDS)
+    parser.add_argument("--json", required=True, help="where rank 0 writes the result")
+    parser.add_argument("--size", default="tiny", choices=["tiny", "full"])
+    args = parser.parse_args()
+    COMMANDS[args.command](args)

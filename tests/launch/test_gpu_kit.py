@@ -1,4 +1,4 @@
-"""The GPU kit (scripts/gpu/gpu_check.sh) runs here on the CPU with tiny sizes.
+"""The GPU kit (scripts/gpu/gpu_check.py) runs here on the CPU with tiny sizes.
 
 A device lease is 15 minutes, drawn by chance: a kit that breaks there wastes it. So
 the same script runs here with tiny models and the Horovod already installed, and
@@ -23,7 +23,7 @@ from horovod_powersgd import stepmodel
 from horovod_powersgd.bench import scale
 from horovod_powersgd.collectives import parse_cluster
 
-KIT = ["bash", "scripts/gpu/gpu_check.sh", "--size", "tiny"]
+KIT = [sys.executable, "scripts/gpu/gpu_check.py", "--size", "tiny"]
 # What the device sends back: at most 8 files, named in letters, digits, '.', '_', '-'.
 RETURNED_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 CONTRACT_TESTS = 29  # what gpu_check.CONTRACT selects of tests/parallel

@@ -13,7 +13,7 @@ A read whose line first tests for a CPU device (``device.type == "cpu" and
 bool(...)``, a fast path that is free on the CPU) never runs on an accelerator:
 it is marked `cpu_only`.
 
-Used by test_host_syncs.py and by the GPU kit's probe (scripts/gpu/gpu_syncs.py).
+Used by test_host_syncs.py and by the GPU kit's syncs phase (scripts/gpu/gpu_timing.py syncs).
 """
 
 from __future__ import annotations
