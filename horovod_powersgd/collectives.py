@@ -104,6 +104,26 @@ def collective_s(kind: str, nbytes: float, workers: int, hop: Hop) -> float:
     return steps(workers) * hop.latency_s + share(workers) * nbytes / hop.bytes_per_s
 
 
+def per_link(allreduce: Hop, workers: int) -> Hop:
+    """The link between two of `workers` under a ring all-reduce that takes
+    `allreduce.seconds(n)` for n bytes (`collective_s`'s ring, inverted): how rank="auto"
+    turns an all-reduce it timed into the hop of a cluster's model.
+
+    Example:
+        >>> hop = Hop(latency_s=1e-5, bytes_per_s=1e9)
+        >>> timed = Hop(6e-5, 1e9 / 1.5)  # a ring of 4: 6 steps, 1.5 x the bytes a link
+        >>> round(collective_s("ring", 1e6, 4, hop), 9) == round(timed.seconds(1e6), 9)
+        True
+        >>> back = per_link(timed, 4)
+        >>> round(back.latency_s * 1e6), round(back.bytes_per_s / 1e9, 3)
+        (10, 1.0)
+    """
+    if workers <= 1:
+        return allreduce
+    steps, share = TABLE["ring"]
+    return Hop(allreduce.latency_s / steps(workers), allreduce.bytes_per_s * share(workers))
+
+
 @dataclass(frozen=True)
 class Cluster:
     """N `nodes` of L workers (`per_node`), linked by `intra` inside a node and `inter` between."""

@@ -76,10 +76,13 @@ class Hierarchy:
         """The share a state belongs to: [local rank, workers per node] (saved with it)."""
         return [self.local_rank, self.local_size]
 
-    def compressed(self, reducer: Reducer, config) -> list[str]:
-        """Every share's compressed parameters, in bucket order (the same on every rank)."""
-        params = [p for b in reducer.buckets for p in b.params if p not in reducer.skip]
-        return [reducer.names[p] for p in params if config.compresses(p.shape)]
+    def compressed(self, reducer: Reducer, config, ranks: dict | None = None) -> list[str]:
+        """Every share's compressed parameters, in bucket order (the same on every rank),
+        at `config`'s rank or at each bucket's of `ranks` (rank="auto"'s plan)."""
+        return [
+            reducer.names[p] for b in reducer.buckets for p in b.params
+            if p not in reducer.skip and config.compresses(p.shape, (ranks or {}).get(b.index))
+        ]  # fmt: skip
 
     def root_for(self, root_rank: int) -> int:
         """The peer of this rank on `root_rank`'s node: the root of this share's state."""
@@ -96,8 +99,8 @@ def check(setting, process_set, elastic: bool, auto_rank: bool) -> bool:
     """Whether `hierarchical` may be on with these settings; True where it cannot raises
     (before any collective, on every rank alike: the same arguments everywhere)."""
     why = None
-    if auto_rank:
-        why = 'rank="auto" plans a flat step only'
+    if auto_rank and setting is not True:
+        why = 'rank="auto" plans the nodes where hierarchical=True, and chooses no layout'
     elif elastic:
         why = "elastic Horovod changes the nodes while training; shares are fixed at construction"
     elif process_set.process_set_id != 0:

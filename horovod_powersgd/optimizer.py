@@ -651,9 +651,10 @@ def DistributedOptimizer(
             all-gather the shares in the node (hierarchy.py, docs/hierarchical.md).
             True, False, or "auto" (on for several nodes of several workers
             each). Needs HOROVOD_DYNAMIC_PROCESS_SETS=1 (or
-            hvd.init(process_sets="dynamic")); not with rank="auto", elastic
-            Horovod or a process set; True on one node or one worker per node
-            warns and runs flat; uneven workers per node raise.
+            hvd.init(process_sets="dynamic")); not with elastic Horovod or a
+            process set; with rank="auto", True has its ranks planned for the
+            hierarchical step, "auto" runs flat; True on one node or one worker
+            per node warns and runs flat; uneven workers per node raise.
 
     Returns:
         An optimizer of a class derived from `type(optimizer)`.

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from .stepmodel import PLAIN, Bucket, Measurements, predict, uniform
+from .stepmodel import PLAIN, Bucket, Measurements, NodeSteps, predict, uniform
 
 
 def _accuracy(rank: int) -> float:
@@ -34,8 +34,22 @@ def _preference(rank: int) -> float:
     return math.inf if rank == PLAIN else -rank
 
 
-def _choices(bucket: Bucket) -> list[int]:
-    return [PLAIN, *sorted(bucket.options)]
+def _choices(m: Measurements | NodeSteps, bucket: Bucket) -> list[int]:
+    """A bucket's ranks: plain, and those it can be compressed at (where it can be, only
+    those under hierarchical PowerSGD: `NodeSteps.compress_all`)."""
+    ranks = sorted(bucket.options)
+    return ranks if ranks and m.compress_all else [PLAIN, *ranks]
+
+
+def _uniform(m: Measurements | NodeSteps, rank: int) -> list[int]:
+    """Every bucket at `rank` (`uniform`); under `compress_all` a bucket that cannot take
+    it takes its nearest rank below (or its lowest), never plain."""
+    if not m.compress_all:
+        return uniform(m, rank)
+    return [
+        max((r for r in b.options if r <= rank), default=min(b.options)) if b.options else PLAIN
+        for b in m.buckets
+    ]
 
 
 def _descend(m: Measurements, plan: list[int], passes: int = 3) -> tuple[list[int], float]:
@@ -44,7 +58,7 @@ def _descend(m: Measurements, plan: list[int], passes: int = 3) -> tuple[list[in
     for _ in range(passes):
         moved = False
         for b, bucket in enumerate(m.buckets):
-            for rank in _choices(bucket):
+            for rank in _choices(m, bucket):
                 trial = [*plan[:b], rank, *plan[b + 1 :]]
                 seconds = predict(m, trial)
                 if seconds < best - 1e-12:
@@ -56,7 +70,8 @@ def _descend(m: Measurements, plan: list[int], passes: int = 3) -> tuple[list[in
 
 def fastest(m: Measurements, ladder: Sequence[int]) -> tuple[list[int], float]:
     """The plan of the shortest predicted step (descent from every uniform plan)."""
-    results = [_descend(m, uniform(m, rank)) for rank in (PLAIN, *ladder)]
+    starts = ladder if m.compress_all else (PLAIN, *ladder)
+    results = [_descend(m, _uniform(m, rank)) for rank in starts]
     return min(results, key=lambda result: result[1])
 
 
@@ -65,7 +80,7 @@ def preferred_within(m: Measurements, plan: Sequence[int], budget_s: float) -> l
     that keeps the predicted step <= budget, bucket by bucket."""
     plan = list(plan)
     for b, bucket in enumerate(m.buckets):
-        for rank in sorted(_choices(bucket), key=_preference, reverse=True):
+        for rank in sorted(_choices(m, bucket), key=_preference, reverse=True):
             if _preference(rank) <= _preference(plan[b]):
                 break
             trial = [*plan[:b], rank, *plan[b + 1 :]]
@@ -104,9 +119,10 @@ def candidates(m: Measurements, ladder: Sequence[int], tolerance: float = 0.03) 
     (those the model expects at most `HOPELESS` times slower than its choice)."""
     chosen = choose(m, ladder, tolerance)
     limit = HOPELESS * predict(m, chosen)
-    uniforms = sorted((uniform(m, r) for r in ladder), key=lambda plan: predict(m, plan))
+    uniforms = sorted((_uniform(m, r) for r in ladder), key=lambda plan: predict(m, plan))
     out: list[list[int]] = []
-    for plan in (chosen, uniform(m, PLAIN), *uniforms[:2]):
+    plain = [] if m.compress_all else [uniform(m, PLAIN)]
+    for plan in (chosen, *plain, *uniforms[:2]):
         if plan not in out and predict(m, plan) <= limit:
             out.append(plan)
     return out
@@ -199,7 +215,7 @@ def raise_failing(
     where the step stays within `budget_s`."""
     plan = list(plan)
     for b in failing:
-        more = [r for r in _choices(m.buckets[b]) if _accuracy(r) > _accuracy(plan[b])]
+        more = [r for r in _choices(m, m.buckets[b]) if _accuracy(r) > _accuracy(plan[b])]
         for rank in sorted(more, key=_accuracy):
             trial = [*plan[:b], rank, *plan[b + 1 :]]
             if predict(m, trial) <= budget_s:

@@ -105,7 +105,9 @@ class PowerSGDState:
             return
         warned = self.monitor is not None and self.monitor.warned
         # Hierarchical: the statistics cover every share's layers.
-        every_share = self.hierarchy and self.hierarchy.compressed(self.reducer, self.config)
+        every_share = self.hierarchy and self.hierarchy.compressed(
+            self.reducer, self.config, self.tuner.bucket_ranks()
+        )
         self.monitor = LayerMonitor(
             self.compressor, self.comm.allreduce_sum, workers=self.comm.size,
             reporter=self.comm.set_rank == 0, log_every=self.log_every, all_names=every_share,

@@ -22,13 +22,14 @@ one worker's share of a node's work, on a cluster's links):
   done; the rest of the step (forward, the optimizer) is what the measured
   plain step takes beyond the model's plain step.
 
-planner.py chooses plans by this model; docs/auto.md and docs/scale.md give its
-equations and where it was checked.
+planner.py chooses plans by this model (a job measured flat and run hierarchical:
+`NodeSteps`); docs/auto.md and docs/scale.md give its equations and where it was checked.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 import sys
@@ -36,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from . import shares
-from .collectives import Hop, ShareLink, collective_s
+from .collectives import Cluster, Hop, ShareLink, collective_s, per_link
 
 PLAIN = 0
 # The layout of a profile (`Measurements.to_dict`), written in its "format". A profile
@@ -175,6 +176,7 @@ class Measurements:
     # How many workers the job ran on (None: not recorded). With one there was nothing
     # to send: `link` is Horovod's one-rank all-reduce (a copy and a cycle), not a link.
     workers: int | None = None
+    compress_all = False  # a plain bucket is a choice (`NodeSteps`: it is not)
 
     def __post_init__(self):
         if self.rest_s is None:
@@ -502,9 +504,12 @@ def _timeline(m: Measurements, plan: Sequence[int], on=None) -> float:
     return max(m.backward_s + shift, link)
 
 
-def predict(m: Measurements, plan: Sequence[int]) -> float:
+def predict(m: Measurements | NodeSteps, plan: Sequence[int]) -> float:
     """The expected step time of `plan`, in seconds: the measured rest of the step, and
-    the modelled timeline from the first gradient to the last arrival."""
+    the modelled timeline from the first gradient to the last arrival (hierarchical:
+    the slowest share's, `NodeSteps`)."""
+    if isinstance(m, NodeSteps):
+        return max(predict(share, plan) for share in m.shares)
     return m.rest_s + _timeline(m, plan)
 
 
@@ -556,6 +561,42 @@ def hierarchical(m: Measurements, cluster) -> list[Measurements]:
             buckets.append(dataclasses.replace(b, options=options))
         out.append(dataclasses.replace(m, buckets=tuple(buckets), link=ShareLink(cluster, False)))
     return out
+
+
+@dataclass(frozen=True)
+class NodeSteps:
+    """A job measured flat (rank="auto"'s `Measurements`: its all-reduces timed over all
+    `workers`) planned as hierarchical PowerSGD on nodes of `per_node` workers, the
+    node's link timed as `intra` (an all-reduce over the node, `collectives.per_link`
+    turns both into hops). The planner plans it as a `Measurements`: its `buckets` say
+    which ranks each bucket can take, `predict` gives its step (the slowest share's,
+    `hierarchical`), `with_link` puts another link between the nodes. Every bucket
+    that can be compressed is (`compress_all`): a plain bucket's stages are not in the
+    model.
+    """
+
+    flat: Measurements
+    per_node: int
+    intra: Hop  # the node's all-reduce, as timed
+    compress_all = True
+
+    @property
+    def buckets(self) -> tuple[Bucket, ...]:
+        return self.flat.buckets
+
+    @functools.cached_property
+    def cluster(self) -> Cluster:
+        workers = self.flat.workers or self.per_node
+        nodes = max(workers // self.per_node, 1)
+        inter = per_link(self.flat.link, workers)
+        return Cluster(nodes, self.per_node, per_link(self.intra, self.per_node), inter)
+
+    @functools.cached_property
+    def shares(self) -> list[Measurements]:
+        return hierarchical(self.flat, self.cluster)
+
+    def with_link(self, link: Hop) -> NodeSteps:
+        return dataclasses.replace(self, flat=self.flat.with_link(link))
 
 
 def _node_stages(tensors, owner, cluster) -> tuple[float, float]:

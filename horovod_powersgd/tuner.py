@@ -98,6 +98,10 @@ class FixedRanks:
     def state_dict(self) -> dict | None:
         return None
 
+    def bucket_ranks(self) -> dict | None:
+        """None: every bucket at the configured rank."""
+        return None
+
     def load_state_dict(self, saved, state) -> None:
         """Nothing was saved."""
 
@@ -256,6 +260,11 @@ class Tuner:
         self.start = self.origin + MEASURE_STEPS  # the first compressed step
         self.phase = "measure"
         self.measurements: stepmodel.Measurements | None = None
+        # Hierarchical PowerSGD (hierarchical=True): workers per node, and the node's
+        # all-reduce as timed once measured; the plan is then the node's (`model`).
+        self.per_node, self.intra = None, None  # int, Hop
+        self._plan_now: list[int] | None = None  # hierarchical: each rank holds a share
+        self._ranks_now: dict | None = None  # the plan taken, by bucket index
         self.candidates: list[list[int]] = []
         self.trial_steps: list[list[float]] = []  # this rank's timed steps of each candidate
         self._plain_steps: list[float] = []  # the clean steps' ranks' means: their spread too
@@ -417,15 +426,27 @@ class Tuner:
             with contextlib.suppress(OSError):
                 os.remove(temporary)
 
+    @property
+    def model(self):
+        """What the planner plans: the measurements, as hierarchical PowerSGD's step on
+        the job's nodes where that is the job's (`stepmodel.NodeSteps`)."""
+        return self._model_of(self.measurements)
+
+    def _model_of(self, m: stepmodel.Measurements):
+        return m if self.intra is None else stepmodel.NodeSteps(m, self.per_node, self.intra)
+
     def _plan(self, state) -> None:
         self.measurements, self._plain_steps = self._gather(state)
         self._write_profile()
+        if state.hierarchy is not None:
+            self.intra = self._shared(_node_link(state, self.comm), "auto.intra")
+            self.per_node = state.hierarchy.local_size
         if self.pinned is not None:
             # The real step times say nothing about a pinned link: the model decides.
-            plan = planner.choose(self.measurements, self.ladder, TOLERANCE)
+            plan = planner.choose(self.model, self.ladder, TOLERANCE)
             self._settle(state, self._shared(plan, "auto.plan"), None)
             return
-        candidates = planner.candidates(self.measurements, self.ladder, TOLERANCE)
+        candidates = planner.candidates(self.model, self.ladder, TOLERANCE)
         self.candidates = self._shared(candidates, "auto.plans")
         self._begin_trials(state)
 
@@ -478,7 +499,7 @@ class Tuner:
         self.phase, self._window = "settled", []
         if not self._apply(state, plan):
             self._log(state, plan)  # the last candidate tried: taken as it runs
-        self.expected_s = stepmodel.predict(self.measurements, plan) if seconds is None else seconds
+        self.expected_s = stepmodel.predict(self.model, plan) if seconds is None else seconds
         self._next_check = state.step + CHECK_EVERY
 
     # --- keep up ----------------------------------------------------------------------------
@@ -492,8 +513,8 @@ class Tuner:
         failing = _failing_buckets(state)
         raised = plan
         if failing:
-            budget = stepmodel.predict(self.measurements, plan) * (1 + TOLERANCE)
-            raised = planner.raise_failing(self.measurements, plan, failing, budget)
+            budget = stepmodel.predict(self.model, plan) * (1 + TOLERANCE)
+            raised = planner.raise_failing(self.model, plan, failing, budget)
         # The step time against the settled one, the ranks' mean (1: nothing to compare).
         ratio = 1.0
         if self.pinned is None and self._window:
@@ -508,11 +529,13 @@ class Tuner:
 
     def _replan(self, state, force: bool = False) -> None:
         """Time the link again (a few all-reduces), and try the plans the model prefers now."""
-        samples = _time_link(self.comm, state.step)
+        samples = _time_link(self.comm, state.step, _device(state))
         seconds = torch.tensor([s for _, s in samples], dtype=torch.float64)
         seconds = (self.comm.allreduce_sum(seconds, "auto.link") / self.comm.size).tolist()
         link = self.pinned or Hop.fit([(b, s) for (b, _), s in zip(samples, seconds)])
-        plans = planner.candidates(self.measurements.with_link(link), self.ladder, TOLERANCE)
+        plans = planner.candidates(
+            self._model_of(self.measurements.with_link(link)), self.ladder, TOLERANCE
+        )
         current = self._current(state)
         plans = None if not force and plans[0] == current else plans
         link, plans = self._shared((link, plans), "auto.replan")
@@ -523,7 +546,14 @@ class Tuner:
         self._begin_trials(state, keep=None if force else current)
 
     # --- apply ------------------------------------------------------------------------------
-    def _current(self, state) -> list[int]:
+    def bucket_ranks(self) -> dict | None:
+        """Bucket index -> its rank in the plan taken (None: none taken yet). Hierarchical
+        PowerSGD's statistics cover every share's layers: the plan says which they are."""
+        return self._ranks_now
+
+    def _current(self, state) -> list[int] | None:
+        if state.hierarchy is not None:  # this rank's compressor holds its share's buckets
+            return self._plan_now
         return [state.compressor.ranks[b.index] for b in state.reducer.buckets]
 
     def _apply(self, state, plan) -> bool:
@@ -534,10 +564,12 @@ class Tuner:
         if list(plan) == before:
             return False
         ranks = {b.index: r for b, r in zip(state.reducer.buckets, plan)}
-        residuals = state.compressor.set_ranks(ranks)
+        old, self._plan_now, self._ranks_now = self._ranks_now or {}, list(plan), ranks
+        residuals = state.compressor.set_ranks(
+            {b: r for b, r in ranks.items() if b in state.compressor.ranks}
+        )
         state.refresh()  # the reducer's layout and the statistics follow the new ranks
-        if residuals:
-            self._send_residuals(state, residuals)
+        _send_residuals(state, self.comm, residuals, old, ranks)
         self.changes += 1
         self._log(state, plan)
         return True
@@ -549,20 +581,9 @@ class Tuner:
         logger.info(
             "PowerSGD auto plan at step %d (%s): %s; expected %.1f ms a step, plain %.1f ms",
             step, "trying" if self.phase == "try" else "taken", _describe(plan),
-            1e3 * stepmodel.predict(self.measurements, plan),
+            1e3 * stepmodel.predict(self.model, plan),
             1e3 * stepmodel.predict(self.measurements, stepmodel.uniform(self.measurements, 0)),
         )  # fmt: skip
-
-    def _send_residuals(self, state, residuals: dict[str, torch.Tensor]) -> None:
-        """All-reduce what buckets that go plain held back, into this step's gradients."""
-        params = {state.names[p]: p for p in state.params}
-        names = sorted(residuals)
-        tensors = [residuals[n] for n in names]
-        handle = self.comm.allreduce_async(tensors, f"auto.residuals.{state.step}")
-        for name, avg in zip(names, self.comm.wait(handle)):
-            p = params[name]
-            if p.grad is not None:
-                p.grad.add_(avg.to(p.grad.dtype).view_as(p.grad))
 
     # --- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -574,7 +595,11 @@ class Tuner:
             "changes": self.changes,
             "next_check": self._next_check,
             "measurements": None if m is None else m.to_dict(),
-        }
+            "node": None if self.intra is None else {
+                "per_node": self.per_node, "plan": self._plan_now,
+                "intra": [self.intra.latency_s, self.intra.bytes_per_s],
+            },
+        }  # fmt: skip
 
     def load_state_dict(self, saved, state) -> None:
         """Resume a settled plan as it was (the compressor's ranks hold it); else measure
@@ -593,25 +618,74 @@ class Tuner:
         if self.pinned is not None:
             self.measurements = self.measurements.with_link(self.pinned)
         self._next_check = saved["next_check"]
+        node = saved.get("node")
+        if node is not None:
+            self.per_node, self._plan_now = node["per_node"], list(node["plan"])
+            self._ranks_now = {b.index: r for b, r in zip(state.reducer.buckets, node["plan"])}
+            self.intra = Hop(*node["intra"])
 
     def plan(self, state) -> list[dict]:
-        return _plan_rows(state, self._bucket_figures(state))
+        return _plan_rows(state, _bucket_figures(self.model, self._current(state), state))
 
-    def _bucket_figures(self, state) -> dict[int, dict]:
-        m = self.measurements
-        if m is None:
-            return {}
-        plan = self._current(state)
-        expected = stepmodel.predict(m, plan)
-        out = {}
-        for j, (bucket, rank) in enumerate(zip(m.buckets, plan)):
-            option = bucket.options.get(rank)
-            as_plain = stepmodel.predict(m, [*plan[:j], stepmodel.PLAIN, *plan[j + 1 :]])
-            out[state.reducer.buckets[j].index] = {
-                "bucket_ms": None if option is None else 1e3 * option.work_s,
-                "saved_ms": 1e3 * (as_plain - expected),
-            }
-        return out
+
+def _bucket_figures(m, plan, state) -> dict[int, dict]:
+    """compression_stats()["plan"]'s figures of each bucket under `plan` on the model `m`."""
+    if m is None or plan is None:
+        return {}
+    expected = stepmodel.predict(m, plan)
+    out = {}
+    for j, (bucket, rank) in enumerate(zip(m.buckets, plan)):
+        option = bucket.options.get(rank)
+        as_plain = stepmodel.predict(m, [*plan[:j], stepmodel.PLAIN, *plan[j + 1 :]])
+        out[state.reducer.buckets[j].index] = {
+            "bucket_ms": None if option is None else 1e3 * option.work_s,
+            # hierarchical: a plain bucket is not planned (nor modelled)
+            "saved_ms": None if m.compress_all else 1e3 * (as_plain - expected),
+        }
+    return out
+
+
+def _node_link(state, comm) -> Hop:
+    """Hierarchical: the node's all-reduce, fitted to a few all-reduces inside every node
+    at once (the ranks' mean)."""
+    samples = _time_link(state.hierarchy.node, state.step, _device(state), "node")
+    seconds = torch.tensor([s for _, s in samples], dtype=torch.float64)
+    seconds = (comm.allreduce_sum(seconds, "auto.node") / comm.size).tolist()
+    return Hop.fit([(b, s) for (b, _), s in zip(samples, seconds)])
+
+
+def _send_residuals(state, comm, residuals: dict, old: dict, new: dict) -> None:
+    """All-reduce what the matrices that leave compression (`old` -> `new` ranks by
+    bucket) held back, into this step's gradients. Flat: every rank holds each one's.
+    Hierarchical: one rank a node holds it (its share's), for its node's average:
+    every rank sends every leaving matrix's (zeros where not its share's), summed,
+    over the nodes: one collective that every rank makes alike."""
+    leaving = sorted(residuals)
+    if state.hierarchy is not None:
+        compresses = state.config.compresses
+        leaving = [
+            state.names[p] for b in state.reducer.buckets for p in b.params
+            if p not in state.reducer.skip and compresses(p.shape, old.get(b.index, 0))
+            and not compresses(p.shape, new[b.index])
+        ]  # fmt: skip
+    if not leaving:
+        return
+    params = {state.names[p]: p for p in state.params}
+    tensors = []
+    for name in leaving:
+        p = params[name]
+        held = residuals.get(name, torch.zeros(p.numel(), device=p.device))
+        tensors.append(held.reshape(-1).to(_compute(p.dtype)))
+    tag = f"auto.residuals.{state.step}"
+    if state.hierarchy is None:
+        sums = comm.wait(comm.allreduce_async(tensors, tag))  # averaged
+    else:
+        nodes = state.hierarchy.cross_size
+        sums = [t / nodes for t in comm.wait(comm.sum_async(tensors, tag))]
+    for name, avg in zip(leaving, sums):
+        p = params[name]
+        if p.grad is not None:
+            p.grad.add_(avg.to(p.grad.dtype).view_as(p.grad))
 
 
 def _time_bucket(probe, bucket, grads, scratch, workers, device):
@@ -631,13 +705,14 @@ def _time_bucket(probe, bucket, grads, scratch, workers, device):
     return times["compress"] - start, times["decompress"] - start
 
 
-def _time_link(comm, step: int) -> list[tuple[int, float]]:
-    """(bytes, seconds) of a few all-reduces of this job's link, waited for at once."""
+def _time_link(comm, step: int, device, what: str = "link") -> list[tuple[int, float]]:
+    """(bytes, seconds) of a few all-reduces over `comm`, each waited for at once, of
+    tensors on the gradients' `device` (the link the gradients take)."""
     samples = []
     for i, numel in enumerate((1, 64 * 1024, 1024 * 1024)):
-        tensor = torch.zeros(numel)
+        tensor = torch.zeros(numel, device=device)
         start = time.perf_counter()
-        comm.wait(comm.allreduce_async([tensor], f"auto.link.{step}.{i}"))
+        comm.wait(comm.allreduce_async([tensor], f"auto.{what}.{step}.{i}"))
         samples.append((numel * 4, time.perf_counter() - start))
     return samples
 

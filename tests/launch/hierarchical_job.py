@@ -134,6 +134,21 @@ def train(model, opt, steps, start=0):
         opt.step()
 
 
+def force_plan(model, opt, args):
+    """One step in which rank="auto"'s plan moves every compressed bucket to
+    `args.force_rank`, as a new plan is taken: after the step's communication, before
+    the wrapped optimizer's step (what the leaving matrices held back joins it)."""
+    state = opt.powersgd_state
+    plan = [args.force_rank if r else 0 for r in state.tuner.state_dict()["node"]["plan"]]
+    opt.zero_grad()
+    x, y = batch(10**4)
+    loss_of(model, x, y).backward()
+    opt.synchronize()
+    state.tuner._apply(state, plan)
+    with opt.skip_synchronize():
+        opt.step()
+
+
 def done(row):
     """Print the row; then wait for every rank (a rank that ends early ends Horovod)."""
     print("hier_job " + json.dumps(row) + "\n", end="")
@@ -144,10 +159,11 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("directory")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--rank", type=int, default=2)
+    parser.add_argument("--rank", default="2", help='a rank, or "auto"')
     parser.add_argument("--fp16", action="store_true")
     parser.add_argument("--setting", default="True")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--force-rank", type=int, help='rank="auto": then one step to this rank')
     parser.add_argument("--static", action="store_true", help="hvd.init() without dynamic sets")
     parser.add_argument("--process-set", action="store_true", help="a process set of all ranks")
     parser.add_argument("--bucket-bytes", type=int, default=None, help="1: a bucket per tensor")
@@ -157,6 +173,7 @@ def main():
     if args.bucket_bytes is not None:
         reducer.BUCKET_BYTES = args.bucket_bytes
     args.setting = {"True": True, "False": False}.get(args.setting, args.setting)
+    args.rank = args.rank if args.rank == "auto" else int(args.rank)
     if args.static:
         hvd.init()
     else:
@@ -179,6 +196,11 @@ def main():
             return done(row)
         row["hierarchical"] = opt.powersgd_state.hierarchy is not None
         train(model, opt, args.steps)
+        if args.force_rank is not None:
+            force_plan(model, opt, args)
+        if args.rank == "auto":  # rank="auto" planned the nodes: its phase and plan
+            tuner = opt.state_dict()["powersgd"]["auto"]
+            row["auto"] = {"phase": tuner["phase"], "node": tuner["node"]}
         path = f"{args.directory}/ckpt.pt"
         hps.save_checkpoint(path, model, opt)
         train(model, opt, args.steps, start=args.steps)

@@ -33,7 +33,10 @@ def run_job(python, tmp_path, *options, per_node="2", expect_ok=True):
     return rows
 
 
-def assert_contract(rows, full_rank=True, gap=1e-4):
+COMPRESSED = ("0.weight", "2.weight", "4.weight")  # the job's model at rank 2
+
+
+def assert_contract(rows, full_rank=True, gap=1e-4, compressed=COMPRESSED):
     # Every worker of every node steps on the same gradient: identical parameters.
     assert len({r["params"] for r in rows}) == 1, rows
     # save_checkpoint / load_checkpoint resume every worker's share bit for bit.
@@ -50,8 +53,8 @@ def assert_contract(rows, full_rank=True, gap=1e-4):
         shares.setdefault(r["local_rank"], set()).add(tuple(r["layers"]))
     assert all(len(v) == 1 for v in shares.values()), shares
     layers = [set(next(iter(v))) for v in shares.values()]
-    assert set.union(*layers) == {"0.weight", "2.weight", "4.weight"}
-    assert sum(len(s) for s in layers) == 3
+    assert set.union(*layers) == set(compressed)
+    assert sum(len(s) for s in layers) == len(compressed)
     assert all(r["bytes_in_node"] > 0 and r["bytes_sent"] > 0 for r in rows)
     # Horovod's rank-0 resume: identical parameters after it, rank 0's step counter.
     assert len({r["rank0_resume"] for r in rows}) == 1, rows
@@ -82,6 +85,28 @@ def test_two_nodes_of_two_workers_keep_the_contract(python, tmp_path, options):
     # The layer statistics agree over the ranks of each share (the mean of its holders).
     for r in rows:
         assert all(v is not None for v in r["relative_error"].values()), r
+
+
+@pytest.mark.parametrize("options", [[], ["--bucket-bytes", "1"]], ids=["one-bucket", "per-tensor"])
+def test_rank_auto_plans_the_hierarchical_step_and_keeps_the_contract(python, tmp_path, options):
+    """rank="auto" with hierarchical=True: measured, planned on the node model (the
+    slowest share's step), tried and settled, every rank on one plan with every bucket
+    it can compress compressed; then the contract, resumes included (the plan resumes).
+    Then a plan at rank 4, where the 6 x 24 matrix is no longer compressed: what its
+    share held back is all-reduced by every rank (others send zeros); when only its
+    holders sent it, the job hung (1 run in 2, when the trials went from rank 2 to 4)."""
+    rows = run_job(python, tmp_path, "--rank", "auto", "--steps", "30", "--force-rank", "4",
+                   *options)  # fmt: skip
+    assert all(r["hierarchical"] for r in rows)
+    assert all(r["auto"]["phase"] == "settled" for r in rows), rows
+    plans = {json.dumps(r["auto"]["node"]) for r in rows}
+    assert len(plans) == 1, plans  # one decision: the plan, the node's link, its size
+    node = rows[0]["auto"]["node"]
+    assert node["per_node"] == 2 and all(v > 0 for v in node["intra"]), node
+    weights = 3 if options else 1  # buckets holding a matrix; per tensor: biases apart
+    assert sorted(set(node["plan"])) == ([0, 4] if options else [4]), node
+    assert sum(r > 0 for r in node["plan"]) == weights, node
+    assert_contract(rows, compressed=("0.weight", "2.weight"))  # 6 x 24: not at rank 4
 
 
 def test_a_sparse_embeddings_gradient_travels_beside_the_hierarchical_step(python, tmp_path):

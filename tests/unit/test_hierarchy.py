@@ -133,13 +133,21 @@ def test_false_decides_without_a_collective():
 
 @pytest.mark.parametrize(
     "kw, cause",
-    [({"auto_rank": True}, 'rank="auto"'), ({"elastic": True}, "elastic"),
-     ({"set_id": 3}, "global process set")],
+    [({"elastic": True}, "elastic"), ({"set_id": 3}, "global process set")],
 )  # fmt: skip
 def test_true_refuses_what_it_cannot_do_and_auto_runs_flat(monkeypatch, kw, cause):
     with pytest.raises(ValueError, match=cause):
         decide(True, grid([2, 2]), **kw)
     assert decide("auto", grid([2, 2]), **kw) is None
+
+
+def test_rank_auto_plans_the_nodes_with_true_and_chooses_no_layout_with_auto():
+    # rank="auto" plans hierarchical PowerSGD's ranks where it is asked for; whether to
+    # run hierarchical or flat is not among its choices: "auto" runs flat with it.
+    global_set = types.SimpleNamespace(process_set_id=0)
+    assert hierarchy.check(True, global_set, elastic=False, auto_rank=True)
+    assert not hierarchy.check("auto", global_set, elastic=False, auto_rank=True)
+    assert decide("auto", grid([2, 2]), auto_rank=True) is None
 
 
 def test_uneven_nodes_raise_with_true_naming_them_and_run_flat_with_auto(monkeypatch):

@@ -67,3 +67,45 @@ def test_the_library_and_the_model_compress_the_same_gradients(shape, rank, rate
         n, m = shape[0], math.prod(shape[1:])
         r = config.matrix_rank(n, m)
         assert found == (r * n, r * m)
+
+
+def _job(link: Hop, workers: int = 4) -> Measurements:
+    """Two buckets of one large matrix each (ranks 1 and 4), and one of biases only."""
+    out = []
+    for ready in (0.01, 0.02):
+        tensor = Tensor(10**6, 4, 4e6, {1: (4e3, 4e3), 4: (16e3, 16e3)})
+        options = {r: Option(0.002 * r, 0.004 * r, *stepmodel.message_bytes([tensor], r, 2))
+                   for r in (1, 4)}  # fmt: skip
+        out.append(Bucket(ready, 4e6, options, (tensor,)))
+    out.append(Bucket(0.025, 4e4, {}, (Tensor(10**4, 4, 4e4),)))
+    return Measurements(tuple(out), 0.025, 0.1, link, 2, 0.05, workers=workers)
+
+
+def test_a_node_step_is_the_slowest_shares_and_the_planner_compresses_every_bucket_it_can():
+    from horovod_powersgd import planner
+    from horovod_powersgd.collectives import Cluster, per_link
+
+    fast_node = Hop(2e-5, 5e9)
+    for link in (Hop(1e-4, 1e10), Hop(1e-3, 12.5e6)):  # no link to speak of; 100 Mbit/s
+        job = stepmodel.NodeSteps(_job(link), per_node=2, intra=fast_node)
+        cluster = Cluster(2, 2, per_link(fast_node, 2), per_link(link, 4))
+        assert job.cluster == cluster
+        for plan in ([1, 1, 0], [4, 1, 0], [4, 4, 0]):
+            shares = stepmodel.hierarchical(job.flat, cluster)
+            assert stepmodel.predict(job, plan) == max(stepmodel.predict(s, plan) for s in shares)
+        # Plain is no choice for a bucket that can be compressed (its node stages are
+        # not in the model), whatever the link; the biases' bucket stays plain.
+        # A rank of the ladder no bucket can take (8) is no way to plain either.
+        chosen = planner.choose(job, [1, 4, 8])
+        assert 0 not in chosen[:2] and chosen[2] == 0, chosen
+        for plan in planner.candidates(job, [1, 4, 8]):
+            assert 0 not in plan[:2], plan
+        assert planner.raise_failing(job, [4, 4, 0], [0], 1e9) == [4, 4, 0]  # no plain above
+    # Flat, on the fast link, the same job is planned plain: the choice is the model's.
+    assert planner.choose(_job(Hop(1e-4, 1e10)), [1, 4]) == [0, 0, 0]
+    # Another link between the nodes: only the inter-node hop changes.
+    job = stepmodel.NodeSteps(_job(Hop(1e-4, 1e10)), per_node=2, intra=fast_node)
+    slow = job.with_link(Hop(1e-3, 12.5e6))
+    assert slow.cluster.intra == job.cluster.intra
+    assert slow.cluster.inter == per_link(Hop(1e-3, 12.5e6), 4)
+    assert stepmodel.predict(slow, [4, 4, 0]) > stepmodel.predict(job, [4, 4, 0])
