@@ -263,8 +263,7 @@ class Tuner:
         # Hierarchical PowerSGD (hierarchical=True): workers per node, and the node's
         # all-reduce as timed once measured; the plan is then the node's (`model`).
         self.per_node, self.intra = None, None  # int, Hop
-        self._plan_now: list[int] | None = None  # hierarchical: each rank holds a share
-        self._ranks_now: dict | None = None  # the plan taken, by bucket index
+        self._plan_now: list[int] | None = None  # the plan taken (hierarchical: its record)
         self.candidates: list[list[int]] = []
         self.trial_steps: list[list[float]] = []  # this rank's timed steps of each candidate
         self._plain_steps: list[float] = []  # the clean steps' ranks' means: their spread too
@@ -549,7 +548,8 @@ class Tuner:
     def bucket_ranks(self) -> dict | None:
         """Bucket index -> its rank in the plan taken (None: none taken yet). Hierarchical
         PowerSGD's statistics cover every share's layers: the plan says which they are."""
-        return self._ranks_now
+        # a bucket's index is its place in the plan (reducer.make_buckets)
+        return None if self._plan_now is None else dict(enumerate(self._plan_now))
 
     def _current(self, state) -> list[int] | None:
         if state.hierarchy is not None:  # this rank's compressor holds its share's buckets
@@ -564,7 +564,7 @@ class Tuner:
         if list(plan) == before:
             return False
         ranks = {b.index: r for b, r in zip(state.reducer.buckets, plan)}
-        old, self._plan_now, self._ranks_now = self._ranks_now or {}, list(plan), ranks
+        old, self._plan_now = self.bucket_ranks() or {}, list(plan)
         residuals = state.compressor.set_ranks(
             {b: r for b, r in ranks.items() if b in state.compressor.ranks}
         )
@@ -621,7 +621,6 @@ class Tuner:
         node = saved.get("node")
         if node is not None:
             self.per_node, self._plan_now = node["per_node"], list(node["plan"])
-            self._ranks_now = {b.index: r for b, r in zip(state.reducer.buckets, node["plan"])}
             self.intra = Hop(*node["intra"])
 
     def plan(self, state) -> list[dict]:
