@@ -456,7 +456,9 @@ class Agreement:
         digest = state_digest(state.step, state.compressor.shared_state())
         flags = [int(self.loaded), int(self.settings_due)]
         mine = [*flags, *signature_digest(signature(state, groups, self.wrapped)), state.step]
-        everyone = state.comm.allgather(torch.tensor([[*mine, *digest]]), "agree").tolist()
+        layout = int(state.hierarchy is not None)  # hierarchical="auto": either may run
+        everyone = state.comm.allgather(torch.tensor([[*mine, *digest, layout]]), "agree")
+        everyone = everyone.tolist()
         self.loaded = False
         differed = None
         if any(row[1] for row in everyone):  # every rank decides from the same rows
@@ -470,7 +472,9 @@ class Agreement:
         for r, share in enumerate(shares):
             first.setdefault(share, everyone[r])
         if any(
-            row[6] != everyone[0][6] or row[7:] != first[shares[r]][7:]
+            row[6] != everyone[0][6]
+            or row[-1] != everyone[0][-1]
+            or row[7:] != first[shares[r]][7:]
             for r, row in enumerate(everyone)
         ):
             root = next((r for r, row in enumerate(everyone) if row[0]), 0)
@@ -481,6 +485,8 @@ class Agreement:
     def broadcast(self, state, root_rank: int) -> None:
         """`opt.broadcast_powersgd_state`: see there (`state`: the optimizer's PowerSGD state)."""
         comm = state.comm
+        if state.node_layout is not None:  # hierarchical="auto" with rank="auto": the root's
+            state.follow({"share": comm.broadcast_object(state.share, root_rank, "sync.layout")})
         payload = state.shared_state()  # the parts every rank holds alike (state.py)
         shared = payload["compressor"]
         if state.hierarchy:  # each share's state from its holder on the root's node

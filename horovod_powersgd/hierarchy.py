@@ -95,13 +95,11 @@ class Hierarchy:
         return {names[p]: j for b, owner in zip(buckets, split) for p, j in zip(b.params, owner)}
 
 
-def check(setting, process_set, elastic: bool, auto_rank: bool) -> bool:
+def check(setting, process_set, elastic: bool) -> bool:
     """Whether `hierarchical` may be on with these settings; True where it cannot raises
     (before any collective, on every rank alike: the same arguments everywhere)."""
     why = None
-    if auto_rank and setting is not True:
-        why = 'rank="auto" plans the nodes where hierarchical=True, and chooses no layout'
-    elif elastic:
+    if elastic:
         why = "elastic Horovod changes the nodes while training; shares are fixed at construction"
     elif process_set.process_set_id != 0:
         why = "it needs the global process set (nodes are Horovod's local and cross ranks)"
@@ -110,13 +108,14 @@ def check(setting, process_set, elastic: bool, auto_rank: bool) -> bool:
     return why is None
 
 
-def decide(setting, comm, *, elastic: bool, auto_rank: bool) -> Hierarchy | None:
+def decide(setting, comm, *, elastic: bool) -> Hierarchy | None:
     """The `hierarchical` setting, for this job: a `Hierarchy`, or None (flat).
 
-    True raises (on every rank alike) where it cannot work; "auto" is on where
-    it can and the job has several nodes of several workers each.
+    True raises (on every rank alike) where it cannot work; "auto" is possible where
+    it can and the job has several nodes of several workers each (with rank="auto"
+    the tuner then chooses it or flat from its measurements: state.py).
     """
-    if setting is False or not check(setting, comm.process_set, elastic, auto_rank):
+    if setting is False or not check(setting, comm.process_set, elastic):
         return None
     asked = setting is True
     if comm.size == 1:

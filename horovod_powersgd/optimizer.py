@@ -407,6 +407,7 @@ class _DistributedOptimizer:
         state_dict, powersgd = dict(state_dict), self.powersgd_state
         ours = state_dict.pop(STATE_KEY, None)
         other_share = ours is not None and not powersgd.fits(ours)
+        saved = ours
         if other_share:  # hierarchical: another share's matrices, or a flat state
             ours = None
         # The main file of `save_checkpoint` holds the shared state only: the
@@ -425,6 +426,8 @@ class _DistributedOptimizer:
         self._agreement.request(loaded=True)
         powersgd.reset_monitor()  # the statistics of the steps before describe another state
         if ours is None:
+            if other_share:  # hierarchical="auto" with rank="auto": its layout all the same
+                powersgd.follow(saved)
             warnings.warn(
                 "loading an optimizer state without PowerSGD state"
                 + (" of this rank's share (hierarchical)" if other_share else "")
@@ -653,7 +656,8 @@ def DistributedOptimizer(
             each). Needs HOROVOD_DYNAMIC_PROCESS_SETS=1 (or
             hvd.init(process_sets="dynamic")); not with elastic Horovod or a
             process set; with rank="auto", True has its ranks planned for the
-            hierarchical step, "auto" runs flat; True on one node or one worker
+            hierarchical step, and "auto" is chosen or not from the
+            measurements (the model's step of each); True on one node or one worker
             per node warns and runs flat; uneven workers per node raise.
 
     Returns:
@@ -706,7 +710,7 @@ def DistributedOptimizer(
         raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
     if not isinstance(process_set, hvd_comm.ProcessSet):
         raise ValueError(f"process_set must be a hvd.ProcessSet, got {process_set!r}")
-    hierarchy_check(config.hierarchical, process_set, _elastic(), config.auto)
+    hierarchy_check(config.hierarchical, process_set, _elastic())
     given = None if named_parameters is None else list(named_parameters)
     named_parameters = check_named_parameters(optimizer, given)
     model_names = {p: name for name, p in given or ()}

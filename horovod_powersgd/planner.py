@@ -108,6 +108,17 @@ def choose(m: Measurements, ladder: Sequence[int], tolerance: float = 0.03) -> l
     return preferred_within(m, plan, shortest * (1 + tolerance))
 
 
+def hierarchical_pays(
+    flat: Measurements, nodes: NodeSteps, ladder: Sequence[int], tolerance: float = 0.03
+) -> tuple[bool, float, float]:
+    """Whether to run hierarchical PowerSGD (hierarchical="auto" with rank="auto"): where
+    the predicted step of its `choose`n plan is shorter than flat's by more than
+    `tolerance`. Returns that and the two steps (flat, hierarchical)."""
+    flat_s = predict(flat, choose(flat, ladder, tolerance))
+    nodes_s = predict(nodes, choose(nodes, ladder, tolerance))
+    return nodes_s < flat_s * (1 - tolerance), flat_s, nodes_s
+
+
 # A plan the model expects this many times slower than its choice is not tried:
 # the model has been off by up to 1.5x on a loaded 2-core machine, never by 3x,
 # and trying plain on a slow link costs steps many times as long.

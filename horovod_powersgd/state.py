@@ -33,7 +33,7 @@ from .guard import DriftGuard
 from .hierarchy import HierarchicalReducer, decide
 from .linalg import method_setting, parse_method
 from .monitor import LayerMonitor
-from .reducer import Reducer, make_buckets
+from .reducer import Bucket, Reducer, make_buckets
 from .sparse import SparseGradients
 from .tuner import FixedRanks, Tuner, link_setting
 
@@ -64,9 +64,15 @@ class PowerSGDState:
         if self.active and not elastic:
             check_same_model(comm, signature(self))
         linalg.METHOD = parse_method(self.orthogonalization)
+        hierarchy = None
+        if self.active:
+            hierarchy = decide(config.hierarchical, comm, elastic=elastic)
+        # hierarchical="auto" with rank="auto": the node's layout is the tuner's to take
+        # (from its measurements, before the first compressed step); the job starts flat.
+        self.node_layout = hierarchy if config.auto and config.hierarchical == "auto" else None
         self.hierarchy, self.compressor, self.reducer = build(
-            params, names, make_buckets(params), config, comm, active=self.active,
-            elastic=elastic,
+            params, names, make_buckets(params), config, hierarchy=None if self.node_layout
+            else hierarchy, comm=comm,
         )  # fmt: skip
         self.step = 0
         self.tuner = Tuner(config, comm) if config.auto else FixedRanks(config)
@@ -85,6 +91,26 @@ class PowerSGDState:
         the reducer starts it (PowerSGD after `start_iter` steps, else plain)."""
         self.tuner.begin_step(self)
         self.reducer.begin(done=self.step - self.tuner.start)
+
+    # --- the layout: flat or hierarchical ------------------------------------------------------
+    def layout_for(self, hierarchical: bool):
+        """(hierarchy, compressor, reducer) for the other layout where this job may run
+        either (`node_layout`) and `hierarchical` asks for it; else None. Fresh: its
+        compressor holds what one built at construction holds (memories from the seed)."""
+        if self.node_layout is None or hierarchical == (self.hierarchy is not None):
+            return None
+        buckets = [Bucket(b.index, b.params) for b in self.reducer.buckets]
+        hierarchy = self.node_layout if hierarchical else None
+        return build(self.params, self.names, buckets, self.config, self.comm, hierarchy)
+
+    def use(self, parts) -> None:
+        """Run in the layout of `parts` (`layout_for`) from the next step on: what this
+        optimizer's compressor held is let go (the tuner takes a layout before its
+        first compressed step; a load, with the state it loads)."""
+        self.hierarchy, self.compressor, self.reducer = parts
+        self.compressor.exclude(self.names[p] for p in self.sparse.gathered)
+        self.reducer.skip = self.sparse.gathered
+        self.refresh()
 
     # --- what is compressed changed --------------------------------------------------------
     def refresh(self) -> None:
@@ -158,23 +184,40 @@ class PowerSGDState:
         return shared_part(self.state_dict())
 
     def fits(self, ours: dict) -> bool:
-        """Whether a PowerSGD state (`state_dict()`) holds this rank's matrices."""
-        return ours.get("share") == self.share
+        """Whether a PowerSGD state (`state_dict()`) holds this rank's matrices (in the
+        layout it was saved in, where this job may run either: `node_layout`)."""
+        layout = self.hierarchy if self.node_layout is None else self._layout_of(ours)
+        return ours.get("share") == (layout.key if layout else None)
+
+    def _layout_of(self, ours: dict):
+        return self.node_layout if ours.get("share") is not None else None
+
+    def follow(self, ours: dict) -> None:
+        """Where this job may run either layout (`node_layout`): the one a saved state was
+        taken in (rank="auto" chose it), before its state is loaded."""
+        parts = self.layout_for(self._layout_of(ours) is not None)
+        if parts is not None:
+            self.use(parts)
 
     def check(self, ours: dict) -> None:
         """Raise ValueError, naming the cause, if a PowerSGD state (`state_dict()`, or its
         shared part) cannot be loaded here. Changes nothing: its sparse parameters leave
-        PowerSGD only as it is loaded, so their matrices are not expected in it."""
+        PowerSGD only as it is loaded, so their matrices are not expected in it; a state
+        of the other layout (`follow`) is checked against a compressor of that layout."""
         leaving = self.sparse.leaving(ours.get("sparse", []))
+        parts = self.node_layout and self.layout_for(self._layout_of(ours) is not None)
+        compressor = parts[1] if parts else self.compressor
         if "error_buffers" in ours["compressor"]:
-            self.compressor.check_state_dict(ours["compressor"], leaving=leaving)
+            compressor.check_state_dict(ours["compressor"], leaving=leaving)
         else:
-            self.compressor.check_shared_state(ours["compressor"], leaving)
+            compressor.check_shared_state(ours["compressor"], leaving)
 
     def load(self, ours: dict) -> None:
         """Take a checked PowerSGD state (`check`), its sparse parameters already taken out
-        (`sparse.take`): its memories (and, if it has them, error buffers), step counter,
-        counters and rank="auto"'s plan; then the reducer and statistics follow."""
+        (`sparse.take`): its layout (`follow`), memories (and, if it has them, error
+        buffers), step counter, counters and rank="auto"'s plan; then the reducer and
+        statistics follow."""
+        self.follow(ours)
         if "error_buffers" in ours["compressor"]:
             self.compressor.load_state_dict(ours["compressor"])
         else:
@@ -191,12 +234,9 @@ def shared_part(ours: dict) -> dict:
     return {**ours, "compressor": compressor}
 
 
-def build(params, names: dict, buckets, config, comm, *, active: bool, elastic: bool):
-    """(Hierarchy or None, compressor, reducer) of an optimizer: flat, or this rank's share
+def build(params, names: dict, buckets, config, comm, hierarchy):
+    """(`hierarchy`, compressor, reducer) of an optimizer: flat (None), or this rank's share
     of its node (hierarchy.py: the node's workers each compress a share of every bucket)."""
-    hierarchy = None
-    if active:
-        hierarchy = decide(config.hierarchical, comm, elastic=elastic, auto_rank=config.auto)
     owner = hierarchy.owners(buckets, names) if hierarchy else None
     mine = [p for p in params if owner is None or owner[names[p]] == hierarchy.local_rank]
     compressor = PowerSGDCompressor(

@@ -263,6 +263,7 @@ class Tuner:
         # Hierarchical PowerSGD (hierarchical=True): workers per node, and the node's
         # all-reduce as timed once measured; the plan is then the node's (`model`).
         self.per_node, self.intra = None, None  # int, Hop
+        self.layout: dict | None = None  # hierarchical="auto": the layout taken, and why
         self._plan_now: list[int] | None = None  # the plan taken (hierarchical: its record)
         self.candidates: list[list[int]] = []
         self.trial_steps: list[list[float]] = []  # this rank's timed steps of each candidate
@@ -437,9 +438,7 @@ class Tuner:
     def _plan(self, state) -> None:
         self.measurements, self._plain_steps = self._gather(state)
         self._write_profile()
-        if state.hierarchy is not None:
-            self.intra = self._shared(_node_link(state, self.comm), "auto.intra")
-            self.per_node = state.hierarchy.local_size
+        _plan_nodes(self, state)
         if self.pinned is not None:
             # The real step times say nothing about a pinned link: the model decides.
             plan = planner.choose(self.model, self.ladder, TOLERANCE)
@@ -595,6 +594,7 @@ class Tuner:
             "changes": self.changes,
             "next_check": self._next_check,
             "measurements": None if m is None else m.to_dict(),
+            "layout": self.layout,
             "node": None if self.intra is None else {
                 "per_node": self.per_node, "plan": self._plan_now,
                 "intra": [self.intra.latency_s, self.intra.bytes_per_s],
@@ -617,8 +617,9 @@ class Tuner:
         )
         if self.pinned is not None:
             self.measurements = self.measurements.with_link(self.pinned)
-        self._next_check = saved["next_check"]
-        node = saved.get("node")
+        self._next_check, self.layout = saved["next_check"], saved.get("layout")
+        node = saved.get("node")  # None: flat (hierarchical="auto" may have chosen it)
+        self.per_node, self._plan_now, self.intra = None, None, None
         if node is not None:
             self.per_node, self._plan_now = node["per_node"], list(node["plan"])
             self.intra = Hop(*node["intra"])
@@ -644,10 +645,44 @@ def _bucket_figures(m, plan, state) -> dict[int, dict]:
     return out
 
 
-def _node_link(state, comm) -> Hop:
+def _plan_nodes(tuner: Tuner, state) -> None:
+    """Where hierarchical PowerSGD runs or may: the node's link timed (one decision), the
+    plan then the node's (`Tuner.model`); hierarchical="auto": which layout."""
+    node = state.hierarchy or state.node_layout
+    if node is not None:
+        tuner.intra = tuner._shared(_node_link(node, state, tuner.comm), "auto.intra")
+        tuner.per_node = node.local_size
+        if state.hierarchy is None:
+            _take_layout(tuner, state)
+
+
+def _take_layout(tuner: Tuner, state) -> None:
+    """hierarchical="auto" with rank="auto", the node's link timed: hierarchical PowerSGD
+    from the next step on where the model expects its step shorter than flat's by more
+    than TOLERANCE (`planner.hierarchical_pays`), one decision for all ranks; else flat.
+    Before the first compressed step: the compressor a layout starts with loses nothing."""
+    pays, flat_s, nodes_s = planner.hierarchical_pays(
+        tuner.measurements, tuner.model, tuner.ladder, TOLERANCE
+    )
+    layout = {"hierarchical": pays, "flat_s": flat_s, "hierarchical_s": nodes_s}
+    tuner.layout = layout = tuner._shared(layout, "auto.layout")
+    if layout["hierarchical"]:
+        state.use(state.layout_for(True))
+        for factors in state.compressor.factors:
+            factors.warm = True  # as the steps so far left the flat compressor's (end_step)
+    else:
+        tuner.intra = tuner.per_node = None
+    if tuner.comm.set_rank == 0:
+        logger.info(
+            "PowerSGD auto layout: %s (expected %.1f ms a step flat, %.1f ms hierarchical)",
+            "hierarchical" if layout["hierarchical"] else "flat", 1e3 * flat_s, 1e3 * nodes_s,
+        )  # fmt: skip
+
+
+def _node_link(hierarchy, state, comm) -> Hop:
     """Hierarchical: the node's all-reduce, fitted to a few all-reduces inside every node
     at once (the ranks' mean)."""
-    samples = _time_link(state.hierarchy.node, state.step, _device(state), "node")
+    samples = _time_link(hierarchy.node, state.step, _device(state), "node")
     seconds = torch.tensor([s for _, s in samples], dtype=torch.float64)
     seconds = (comm.allreduce_sum(seconds, "auto.node") / comm.size).tolist()
     return Hop.fit([(b, s) for (b, _), s in zip(samples, seconds)])

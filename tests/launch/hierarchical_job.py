@@ -49,6 +49,8 @@ def digest(model):
 def make(model, args, **kw):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     settings = dict(rank=args.rank, rounds=args.rounds, hierarchical=args.setting)
+    if args.auto_link:
+        settings["auto_link"] = args.auto_link
     if args.accumulate > 1:
         settings["backward_passes_per_step"] = args.accumulate
     if args.fp16:
@@ -139,7 +141,7 @@ def force_plan(model, opt, args):
     `args.force_rank`, as a new plan is taken: after the step's communication, before
     the wrapped optimizer's step (what the leaving matrices held back joins it)."""
     state = opt.powersgd_state
-    plan = [args.force_rank if r else 0 for r in state.tuner.state_dict()["node"]["plan"]]
+    plan = [args.force_rank if r else 0 for r in state.tuner._current(state)]
     opt.zero_grad()
     x, y = batch(10**4)
     loss_of(model, x, y).backward()
@@ -169,6 +171,7 @@ def main():
     parser.add_argument("--bucket-bytes", type=int, default=None, help="1: a bucket per tensor")
     parser.add_argument("--accumulate", type=int, default=1, help="backward_passes_per_step")
     parser.add_argument("--sparse", action="store_true", help="also a sparse embedding's model")
+    parser.add_argument("--auto-link", help='rank="auto": plan for this link (auto_link)')
     args = parser.parse_args()
     if args.bucket_bytes is not None:
         reducer.BUCKET_BYTES = args.bucket_bytes
@@ -200,7 +203,8 @@ def main():
             force_plan(model, opt, args)
         if args.rank == "auto":  # rank="auto" planned the nodes: its phase and plan
             tuner = opt.state_dict()["powersgd"]["auto"]
-            row["auto"] = {"phase": tuner["phase"], "node": tuner["node"]}
+            row["auto"] = {k: tuner[k] for k in ("phase", "node", "layout")}
+            row["hierarchical"] = opt.powersgd_state.hierarchy is not None  # auto's choice
         path = f"{args.directory}/ckpt.pt"
         hps.save_checkpoint(path, model, opt)
         train(model, opt, args.steps, start=args.steps)
@@ -215,6 +219,7 @@ def main():
         hps.load_checkpoint(path, model2, opt2)
         train(model2, opt2, args.steps, start=args.steps)
         row["resumed"] = digest(model2)
+        row["resumed_hierarchical"] = opt2.powersgd_state.hierarchy is not None
         # Horovod's usual resume: rank 0 alone loads its state_dict, then the broadcasts;
         # every rank of every share goes on alike (shares whose holder did not load
         # restart their memories), and the parameters stay identical.
@@ -229,6 +234,7 @@ def main():
         train(model3, opt3, 3, start=2 * args.steps)
         row["rank0_resume"] = digest(model3)
         row["rank0_resume_step"] = opt3.powersgd_step
+        row["rank0_resume_hierarchical"] = opt3.powersgd_state.hierarchy is not None
         row["full_rank_gap"] = full_rank_gap(args)
         if args.sparse:
             row["sparse_gap"], row["sparse_params"] = sparse_gap(args)

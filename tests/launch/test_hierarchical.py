@@ -198,3 +198,40 @@ def test_the_hierarchical_steps_path_stays_within_its_budget(python):
     assert code == 0, out[-3000:]
     counted = [line for line in out.splitlines() if " hierarchical (rank " in line]
     assert len(counted) == 2, out[-3000:]  # both schedules, each the longest of 4 ranks
+
+
+@pytest.mark.parametrize(
+    "link, hierarchical", [("10kbit,100us", True), ("100gbit,10us", False)], ids=["slow", "fast"]
+)
+def test_hierarchical_auto_with_rank_auto_chooses_the_layout_for_every_rank(
+    python, tmp_path, link, hierarchical
+):
+    """hierarchical="auto" with rank="auto" on 2 x 2: the job starts flat, measures, times
+    the node's link, and runs hierarchical PowerSGD from its first compressed step where
+    the model expects it faster than flat (the link between nodes pinned here, so that
+    the choice is the model's: slow, hierarchical; as fast as memory, flat), one decision
+    on every rank. Then the contract in the layout taken: a resume from the checkpoint
+    (into a new optimizer, which starts flat) and Horovod's rank-0 resume take the saved
+    layout on every rank."""
+    rows = run_job(python, tmp_path, "--setting", "auto", "--rank", "auto", "--steps", "30",
+                   "--force-rank", "4", "--auto-link", link)  # fmt: skip
+    layouts = {json.dumps(r["auto"]["layout"]) for r in rows}
+    assert len(layouts) == 1, layouts  # one decision, with the two steps it came from
+    layout = rows[0]["auto"]["layout"]
+    assert layout["hierarchical"] is hierarchical, layout
+    faster = layout["hierarchical_s"] < 0.97 * layout["flat_s"]
+    assert faster is hierarchical, layout
+    for key in ("hierarchical", "resumed_hierarchical", "rank0_resume_hierarchical"):
+        assert all(r[key] is hierarchical for r in rows), (key, rows)
+    assert all(r["auto"]["phase"] == "settled" for r in rows), rows
+    if hierarchical:
+        assert rows[0]["auto"]["node"]["per_node"] == 2
+        assert_contract(rows, compressed=("0.weight", "2.weight"))
+        return
+    assert all(r["auto"]["node"] is None for r in rows), rows
+    assert len({r["params"] for r in rows}) == 1, rows
+    assert all(r["resumed"] == r["params"] for r in rows), rows
+    assert len({r["rank0_resume"] for r in rows}) == 1, rows
+    assert all(r["bytes_in_node"] is None for r in rows), rows
+    others = [w for r in rows for w in r["warnings"] if "took the PowerSGD state" not in w]
+    assert not others, rows

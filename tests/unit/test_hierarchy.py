@@ -121,13 +121,13 @@ def grid(per_node, dynamic=1):
 
 
 def decide(setting, rows, **kw):
-    kw = {"elastic": False, "auto_rank": False, **kw}
+    kw = {"elastic": False, **kw}
     return hierarchy.decide(setting, FakeComm(rows, kw.pop("set_id", 0)), **kw)
 
 
 def test_false_decides_without_a_collective():
     comm = FakeComm(grid([2, 2]))
-    assert hierarchy.decide(False, comm, elastic=False, auto_rank=False) is None
+    assert hierarchy.decide(False, comm, elastic=False) is None
     assert comm.gathered == 0
 
 
@@ -141,13 +141,13 @@ def test_true_refuses_what_it_cannot_do_and_auto_runs_flat(monkeypatch, kw, caus
     assert decide("auto", grid([2, 2]), **kw) is None
 
 
-def test_rank_auto_plans_the_nodes_with_true_and_chooses_no_layout_with_auto():
-    # rank="auto" plans hierarchical PowerSGD's ranks where it is asked for; whether to
-    # run hierarchical or flat is not among its choices: "auto" runs flat with it.
+def test_auto_and_true_may_be_on_wherever_the_node_layout_allows():
+    # "auto" with rank="auto" is possible too: the tuner then chooses it or flat from its
+    # measurements (state.PowerSGDState.node_layout); only the job's shape rules it out.
     global_set = types.SimpleNamespace(process_set_id=0)
-    assert hierarchy.check(True, global_set, elastic=False, auto_rank=True)
-    assert not hierarchy.check("auto", global_set, elastic=False, auto_rank=True)
-    assert decide("auto", grid([2, 2]), auto_rank=True) is None
+    assert hierarchy.check(True, global_set, elastic=False)
+    assert hierarchy.check("auto", global_set, elastic=False)
+    assert not hierarchy.check("auto", global_set, elastic=True)
 
 
 def test_uneven_nodes_raise_with_true_naming_them_and_run_flat_with_auto(monkeypatch):

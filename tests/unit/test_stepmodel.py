@@ -109,3 +109,28 @@ def test_a_node_step_is_the_slowest_shares_and_the_planner_compresses_every_buck
     assert slow.cluster.intra == job.cluster.intra
     assert slow.cluster.inter == per_link(Hop(1e-3, 12.5e6), 4)
     assert stepmodel.predict(slow, [4, 4, 0]) > stepmodel.predict(job, [4, 4, 0])
+
+
+def test_hierarchical_auto_runs_hierarchical_where_the_model_expects_it_faster_only():
+    """hierarchical="auto" with rank="auto" (planner.hierarchical_pays): each layout's
+    chosen plan on the same measurements; hierarchical only where its step is shorter
+    than flat's by more than the tolerance."""
+    from horovod_powersgd import planner
+
+    fast_node = Hop(2e-5, 5e9)
+    slow = Hop(1e-3, 12.5e6)  # 100 Mbit/s between the nodes
+    job = stepmodel.NodeSteps(_job(slow), per_node=2, intra=fast_node)
+    pays, flat_s, nodes_s = planner.hierarchical_pays(job.flat, job, [1, 4])
+    assert pays and nodes_s < flat_s * 0.97, (flat_s, nodes_s)
+    assert flat_s == stepmodel.predict(job.flat, planner.choose(job.flat, [1, 4]))
+    assert nodes_s == stepmodel.predict(job, planner.choose(job, [1, 4]))
+    # 4 % faster is not faster by more than a tolerance of 10 %: flat.
+    assert not planner.hierarchical_pays(job.flat, job, [1, 4], tolerance=0.1)[0]
+    # No link to speak of: flat sends plain, faster than any compressed node step.
+    job = stepmodel.NodeSteps(_job(Hop(1e-4, 1e10)), per_node=2, intra=fast_node)
+    assert not planner.hierarchical_pays(job.flat, job, [1, 4])[0]
+    # A node whose own link is as slow as the one between nodes: its stages cost more
+    # than the shares save.
+    job = stepmodel.NodeSteps(_job(slow), per_node=2, intra=slow)
+    pays, flat_s, nodes_s = planner.hierarchical_pays(job.flat, job, [1, 4])
+    assert not pays and nodes_s > flat_s, (flat_s, nodes_s)
