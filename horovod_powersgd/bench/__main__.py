@@ -29,6 +29,8 @@ Configurations (``--configs``, comma separated; ``NAME:R`` picks a PowerSGD rank
                  between nodes (a job of several nodes, e.g. under scripts/nodes/two_nodes.sh)
   powersgd-auto, powersgd-1round-auto
                  rank="auto", both schedules (warm-up: until its tuner settles, >= 40 steps)
+  powersgd-hier-auto
+                 rank="auto" with hierarchical="auto": auto chooses flat or hierarchical too
   horovod-slowed (--paired only) plain Horovod that sleeps --slowdown of its own step: the
                  proof that a paired job measures a slowdown of that size
   ddp            torch DistributedDataParallel over Gloo, plain all-reduce

@@ -22,6 +22,8 @@ HOROVOD_CONFIGS = (
     # steps measure, try and settle first: worker.AUTO_WARMUP_STEPS at least).
     "powersgd-auto",
     "powersgd-1round-auto",
+    # hierarchical="auto" with rank="auto": auto chooses flat or hierarchical too.
+    "powersgd-hier-auto",
 )
 # torch DistributedDataParallel: cannot share a process with Horovod.
 DDP_CONFIGS = ("ddp", "ddp-powersgd")

@@ -244,10 +244,20 @@ def _auto_detail(c: Contender) -> str:
     """rank="auto": the plan it settled on (bucket by bucket, p = plain) and the link."""
     if not c.config.endswith("auto"):
         return ""
-    opt = c.opt
-    plan = [opt.compressor.ranks[b.index] for b in opt.powersgd_state.reducer.buckets]
-    link = opt.powersgd_state.tuner.measurements.link
-    return describe_plan(plan, link.bytes_per_s, link.latency_s)
+    state = c.opt.powersgd_state
+    tuner = state.tuner.state_dict()
+    plan = [state.compressor.ranks.get(b.index) for b in state.reducer.buckets]
+    if tuner["node"] is not None:  # hierarchical: this rank's compressor holds its share's
+        plan = tuner["node"]["plan"]
+    link = state.tuner.measurements.link
+    text = describe_plan(plan, link.bytes_per_s, link.latency_s)
+    layout = tuner["layout"]  # hierarchical="auto": the layout taken, the model's steps
+    if layout is not None:
+        text += ", {} (model: flat {:.0f} ms, hierarchical {:.0f} ms)".format(
+            "hierarchical" if layout["hierarchical"] else "flat",
+            1e3 * layout["flat_s"], 1e3 * layout["hierarchical_s"],
+        )  # fmt: skip
+    return text
 
 
 def describe_plan(plan, bytes_per_s: float, latency_s: float) -> str:
@@ -286,7 +296,7 @@ def main(argv=None) -> None:
 
     torch.set_num_threads(args.threads)
     plan = json.loads(args.plan)
-    if any(config == "powersgd-hier" for config, _ in plan):  # its process sets come later
+    if any(config.startswith("powersgd-hier") for config, _ in plan):  # its sets come later
         os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
     hvd.init()
     contenders = [build(config, rank, args) for config, rank in plan]

@@ -35,7 +35,7 @@ def _peak_rss_mb() -> float:
 def _setup_horovod(args, model) -> tuple[torch.optim.Optimizer, Callable[[], dict], Callable]:
     import horovod.torch as hvd
 
-    if args.config == "powersgd-hier":  # its process sets are added after init
+    if args.config.startswith("powersgd-hier"):  # its process sets are added after init
         os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
     hvd.init()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -54,7 +54,9 @@ def _setup_horovod(args, model) -> tuple[torch.optim.Optimizer, Callable[[], dic
             comm_dtype=torch.float16 if args.config.endswith("fp16") else None,
             # Per-layer statistics are on by default; this config measures their cost.
             layer_stats=args.config != "powersgd-nostats",
-            hierarchical=args.config == "powersgd-hier",
+            hierarchical={"powersgd-hier": True, "powersgd-hier-auto": "auto"}.get(
+                args.config, False
+            ),
         )
         counters = opt.compression_stats
     else:
