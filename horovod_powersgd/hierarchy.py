@@ -286,10 +286,18 @@ class HierarchicalReducer(Reducer):
             self._advance(b, block=False)
 
     def finish(self) -> None:
+        """Four dependent rounds at most after backward, whatever the number of buckets:
+        in wave k every bucket at stage k waits for it and starts its next. A rank waits
+        in wave k only for what every rank of its set started by wave k-1 (or during
+        backward): a share with nothing of a bucket starts its node stage 4 early, and
+        waits for it in wave 4 only, not while its node's others are still in 2 or 3
+        (waited at once, it could wait in a circle with them)."""
         if not self.compressing:
             return super().finish()
-        for bucket in self.sending:
-            self._advance(bucket, block=True)
+        for stage in IN_FLIGHT:
+            for bucket in self.sending:
+                if bucket.stage == stage:
+                    self._advance(bucket, block=True, once=True)
 
     def _scatter(self, bucket: NodeBucket) -> None:
         """Stage 1: the bucket's gradients, reduce-scattered inside the node."""
@@ -307,8 +315,9 @@ class HierarchicalReducer(Reducer):
         bucket.handles = [handle]
         self.launched.append(bucket)
 
-    def _advance(self, bucket: NodeBucket, block: bool) -> None:
-        """Take `bucket` through its stages as far as its collectives are back."""
+    def _advance(self, bucket: NodeBucket, block: bool, once: bool = False) -> None:
+        """Take `bucket` through its stages as far as its collectives are back (`once`:
+        one stage, waiting for it if `block`)."""
         while bucket.stage in IN_FLIGHT:
             handle = bucket.handles[-1]
             if not block and not self.comm.poll(handle):
@@ -325,6 +334,8 @@ class HierarchicalReducer(Reducer):
                 self._gather(bucket, result)
             else:
                 self._unpack(bucket, result)
+            if once:
+                return
 
     def _compress_share(self, bucket: NodeBucket, sections: list[torch.Tensor]) -> None:
         """Stage 2: compress this worker's share of the node's average and send P (or the

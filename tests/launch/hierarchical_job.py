@@ -151,6 +151,43 @@ def force_plan(model, opt, args):
         opt.step()
 
 
+def dependent_rounds(args):
+    """Dependent rounds of collectives after backward in one step: a collective started
+    after backward is one round deeper than the deepest one waited for before it (those
+    started during backward: round 1); the step's is the deepest waited for."""
+    model = model_of()
+    opt = make(model, args)
+    train(model, opt, 3)  # past the warm-up and the first steps' agreements
+    state = opt.powersgd_state
+    depth, deepest, after = {}, [0], [False]
+
+    def counted(launch):
+        def start(tensors, name):
+            handle = launch(tensors, name)
+            depth[handle] = deepest[0] + 1 if after[0] else 1
+            return handle
+
+        return start
+
+    for comm in (state.hierarchy.node, state.hierarchy.cross):
+        for kind in ("allreduce_async", "sum_async", "reducescatter_async", "allgather_async"):
+            setattr(comm, kind, counted(getattr(comm, kind)))
+    wait = state.comm.wait
+
+    def waited(handle):
+        if after[0]:
+            deepest[0] = max(deepest[0], depth.get(handle, 1))
+        return wait(handle)
+
+    state.comm.wait = waited
+    opt.zero_grad()
+    x, y = batch(100)
+    loss_of(model, x, y).backward()
+    after[0] = True
+    opt.step()
+    return deepest[0]
+
+
 def done(row):
     """Print the row; then wait for every rank (a rank that ends early ends Horovod)."""
     print("hier_job " + json.dumps(row) + "\n", end="")
@@ -236,6 +273,8 @@ def main():
         row["rank0_resume_step"] = opt3.powersgd_step
         row["rank0_resume_hierarchical"] = opt3.powersgd_state.hierarchy is not None
         row["full_rank_gap"] = full_rank_gap(args)
+        if row["hierarchical"] and args.rank != "auto":
+            row["dependent_rounds"] = dependent_rounds(args)
         if args.sparse:
             row["sparse_gap"], row["sparse_params"] = sparse_gap(args)
     row["warnings"] = [str(w.message)[:200] for w in caught]
