@@ -167,21 +167,32 @@ def test_a_process_set_is_refused_by_its_ranks(python, tmp_path):
     assert all("global process set" in r["error"] for r in inside), rows
 
 
-@pytest.mark.parametrize("rounds", ["2", "1"])
-def test_the_fashion_mnist_example_trains_hierarchically_on_two_nodes(python, tmp_path, rounds):
-    """The documented setting (--hierarchical on, both schedules) on the real example."""
+@pytest.mark.parametrize(
+    "rounds, setting", [("2", "on"), ("1", "on"), ("2", "auto")], ids=["on", "on-rounds1", "auto"]
+)
+def test_the_fashion_mnist_example_trains_hierarchically_on_two_nodes(
+    python, tmp_path, rounds, setting
+):
+    """The documented settings on the real example: --hierarchical on, both schedules;
+    --hierarchical auto with --powersgd-rank auto, past its 8 measuring steps and its
+    choice of layout into compressed steps."""
     out_json = tmp_path / "metrics.json"
+    steps = "3" if setting == "on" else "14"
+    auto = [] if setting == "on" else ["--powersgd-rank", "auto", "--powersgd-log-every", "100"]
     code, out, _ = launch(
         ["bash", str(ROOT / "scripts/nodes/two_nodes.sh"), "--rate", "100mbit", "--timeout", "200",
-         "--", python, str(ROOT / "examples/fashion_mnist.py"), "--hierarchical", "on",
-         "--rounds", rounds, "--epochs", "1", "--max-steps", "3", "--train-subset", "512",
-         "--eval-subset", "100", "--batch-size", "16", "--no-progress", "--json", str(out_json)],
+         "--", python, str(ROOT / "examples/fashion_mnist.py"), "--hierarchical", setting,
+         "--rounds", rounds, "--epochs", "1", "--max-steps", steps, "--train-subset", "2048",
+         "--eval-subset", "100", "--batch-size", "16", "--no-progress", "--json", str(out_json),
+         *auto],
         timeout=260,
     )  # fmt: skip
     assert code == 0, out[-3000:]
+    if setting == "auto":
+        assert "PowerSGD auto layout: " in out, out[-3000:]  # chosen, and said, at step 8
     record = json.loads(out_json.read_text())
     (epoch,) = record["epochs"]
-    assert epoch["steps"] == 3 and record["world_size"] == 4
+    assert epoch["steps"] == int(steps) and record["world_size"] == 4
     assert epoch["test_loss"] == epoch["test_loss"]  # finite, not NaN
     assert "Traceback" not in out and "Warning" not in out, out[-3000:]
 
