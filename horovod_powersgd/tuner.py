@@ -675,7 +675,8 @@ def _take_layout(tuner: Tuner, state) -> None:
     if tuner.comm.set_rank == 0:
         logger.info(
             "PowerSGD auto layout: %s (expected %.1f ms a step flat, %.1f ms hierarchical)",
-            "hierarchical" if layout["hierarchical"] else "flat", 1e3 * flat_s, 1e3 * nodes_s,
+            "hierarchical" if layout["hierarchical"] else "flat",
+            1e3 * layout["flat_s"], 1e3 * layout["hierarchical_s"],
         )  # fmt: skip
 
 
