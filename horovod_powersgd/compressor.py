@@ -42,13 +42,14 @@ The decompressed gradient is left non-finite so that `GradScaler` skips the step
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping
 
 import torch
 
 from .config import PowerSGDConfig
-from .layout import Factors, PaddedBatch, ShapeGroup, padded_batches
+from .layout import Concatenation, Factors, JointFactors, PaddedBatch, ShapeGroup
 from .linalg import compute_dtype, matrix_shape, orthogonalize_, wire_scale
 from .stepmodel import per_round
 
@@ -78,30 +79,33 @@ class _Schedule:
         self.warm = False  # the memories were averaged by an earlier step
         self.workers = 1
 
-    def begin_step(self, factors: list[Factors], batches: list[PaddedBatch]) -> None:
-        """This step's partners of `factors`, from memory (warm start) or fresh, in `batches`
-        (each with its `flats`: the owners' memories and the scratch their draws go to)."""
+    def begin_step(self, factors: list[Factors], joins: list[Concatenation]) -> None:
+        """This step's partners of `factors`, from memory (warm start) or fresh: `joins`,
+        the `Concatenation`s of their memories (and draws), one a side."""
         for f in factors:
             self.draw(f)  # every step, on every rank alike: the generators stay in step
             if f.scaled:
                 _clear_scales(f)
-        for batch in batches:
-            self._partner(batch, factors[0].scaled, *batch.flats)
+        for joined in joins:
+            joined.open()
+            for batch in joined.batches:
+                self._partner(batch, factors[0].scaled)
+            joined.close()
 
-    def _partner(self, batch: PaddedBatch, scaled: bool, memories, draws) -> None:
-        """Orthonormalise the batch's part of the flat `memories` in place.
+    def _partner(self, batch: PaddedBatch, scaled: bool) -> None:
+        """Orthonormalise the batch's memories in place.
 
         A memory column that is all zero (its layer's M was zero everywhere,
         e.g. a frozen or unused layer) would stay zero for ever: it takes the
-        draw's (from `draws`, same layout).
+        draw's (same layout).
         """
-        rows, draw = batch.gather(memories, draws)
+        rows, draw = batch.gather()
         norms = torch.linalg.vector_norm(rows, dim=2, keepdim=True)
         torch.where(norms <= self.fresh_below, draw, rows, out=rows)  # a norm is never NaN <= 0
         if scaled and self.warm and self.warm_start:
             self._partner_scales(batch, norms)
         orthogonalize_(rows.transpose(1, 2), batch.floor)
-        batch.scatter(memories)
+        batch.scatter()
 
     def _partner_scales(self, batch: PaddedBatch, norms: torch.Tensor) -> None:
         """float16 wire: the scale of the factors sent against this batch's partners.
@@ -139,6 +143,10 @@ class _Schedule:
             if finite is not factors.all_finite:
                 factor = torch.where(finite[ids[kind][:size]], factor, memory)
             memory.copy_(factor)
+        self._gradients(factors, flat, out, grads)
+
+    def _gradients(self, factors: Factors, flat: dict, out: dict, grads: dict) -> None:
+        """grad = P̂·Q_avgᵀ or P_avg·Q̂ᵀ of each matrix, into `grads` (and `out`)."""
         # The gradient uses the factor that was sent, finite or not: a
         # non-finite gradient must reach the optimizer (GradScaler skips it).
         for g in factors.groups.values():
@@ -189,12 +197,10 @@ class TwoRounds(_Schedule):
 
     def prepare(self, factors: Factors) -> None:
         """Build what a step orthogonalises together: every Q̂, and every summed P."""
-        args = (factors.dtype, factors.device)
-        partners = padded_batches(list(factors.groups.values()), "q", *args, draws=True)
-        factors.partner_batches = [partners, partners]
-        factors.project_batches = padded_batches(list(factors.groups.values()), "p", *args, False)
-        for batch in factors.project_batches:
-            batch.flats = [factors.p]
+        groups = [list(factors.groups.values())]
+        partners = [Concatenation([factors.q_memory], [factors.q_local], groups, "q")]
+        factors.partners = [partners, partners]
+        factors.projection = Concatenation([factors.p], None, groups, "p")
 
     def draw(self, factors: Factors) -> None:
         factors.q_local.normal_(generator=factors.generator)  # free until used: scratch
@@ -217,23 +223,52 @@ class TwoRounds(_Schedule):
 
     def project(self, factors: Factors, p_sum: torch.Tensor) -> torch.Tensor:
         """Steps 4-5: P̂ = orth(summed P); Q_w = Mᵀ·P̂. Returns the Q buffer to average."""
+        self._summed(factors, p_sum)
+        factors.projection.open()
+        self._orthogonal(factors.projection, factors.scaled)
+        self._local_q(factors)
+        if not factors.scaled:
+            factors.q_comm.copy_(factors.q_local)  # one copy for the whole bucket
+        return factors.q_comm
+
+    def project_joint(self, joint: JointFactors, p_sums, joined: Concatenation):
+        """`project` of several buckets' factors (`joint.owners`) at once, their P̂ on the
+        `joined` concatenation of all their P; returns each one's Q buffer."""
+        owners = joint.owners
+        for factors, p_sum in zip(owners, p_sums):
+            if factors.p_comm is not factors.p:
+                factors.p.copy_(p_sum)
+        joined.open()
+        joint.p_finite = joint.finite(joined.buffer[: joined.zero], "p")
+        self._orthogonal(joined, owners[0].scaled)
+        for factors in owners:
+            self._local_q(factors)
+        if not owners[0].scaled:  # one copy for every bucket
+            torch._foreach_copy_([f.q_comm for f in owners], [f.q_local for f in owners])
+        return [f.q_comm for f in owners]
+
+    def _summed(self, factors: Factors, p_sum: torch.Tensor) -> None:
+        """The summed P in place, and which of its matrices are finite."""
         if factors.p_comm is not factors.p:
             factors.p.copy_(p_sum)
         factors.p_finite = factors.finite_matrices([(factors.p, factors.p_matrix)])
-        for batch in factors.project_batches:
-            rows, _ = batch.gather(batch.flats)
-            if factors.scaled:
+
+    def _orthogonal(self, joined: Concatenation, scaled: bool) -> None:
+        """P̂ = orth(P) of the opened `joined`, then closed (float16 wire: Q's scales first)."""
+        for batch in joined.batches:
+            rows, _ = batch.gather()
+            if scaled:
                 self._q_scales(batch, rows)
             orthogonalize_(rows.transpose(1, 2), batch.floor)
-            batch.scatter(batch.flats)
-            for g in batch.groups:
-                torch.bmm(g.pt, g.matrices, out=g.qt_local)  # Q_wᵀ = P̂ᵀ·M
-        if factors.scaled:
-            for g in factors.groups.values():
+            batch.scatter()
+        joined.close()
+
+    def _local_q(self, factors: Factors) -> None:
+        """Q_wᵀ = P̂ᵀ·M per group (float16 wire: into the Q buffer, scaled)."""
+        for g in factors.groups.values():
+            torch.bmm(g.pt, g.matrices, out=g.qt_local)
+            if factors.scaled:
                 g.qt_comm.copy_(g.qt_local * g.q_scale)
-        else:
-            factors.q_comm.copy_(factors.q_local)  # one copy for the whole bucket
-        return factors.q_comm
 
     def _q_scales(self, batch: PaddedBatch, rows: torch.Tensor) -> None:
         """float16 wire: column norms of the summed P estimate M's singular values,
@@ -251,6 +286,40 @@ class TwoRounds(_Schedule):
         for g in factors.groups.values():
             g.matrices.baddbmm_(g.p_batch, g.qt_local, alpha=-1)
         factors.drop_non_finite_error(factors.p_finite)
+
+    def update_error_joint(self, joint: JointFactors) -> None:
+        """`update_error` of every owner of `joint` (after `project_joint`)."""
+        if not self.error_feedback:
+            return
+        for factors in joint.owners:
+            for g in factors.groups.values():
+                g.matrices.baddbmm_(g.p_batch, g.qt_local, alpha=-1)
+        if joint.p_finite is joint.all_finite:  # seen on the host
+            return
+        finite, dropped = joint.split(joint.p_finite), joint.split(~joint.p_finite)
+        for factors, mine, theirs in zip(joint.owners, finite, dropped):
+            factors.drop_non_finite_error(mine, theirs)
+
+    def decompress_joint(self, joint: JointFactors, received: list, out: dict, grads: dict):
+        """`decompress` of every owner of `joint` (after `project_joint`): `received`, each
+        owner's averaged Q buffer; the checks and memories of all at once."""
+        flats = [r.to(f.dtype) for f, r in zip(joint.owners, received)]
+        for f, flat in zip(joint.owners, flats) if joint.owners[0].scaled else ():
+            self._unscale(f, {"q": flat})
+        buffer = torch.cat(flats, out=joint.received)
+        finite = joint.finite(buffer, "q")
+        if joint.p_finite is not joint.all_finite:
+            finite = finite & joint.p_finite
+        memories = [f.q_memory for f in joint.owners]
+        # The averaged factor becomes its memory where finite; memories keep
+        # their last finite value.
+        if finite is not joint.all_finite:
+            kept = torch.cat(memories, out=joint.memory)
+            torch.where(finite[joint.ids["q"]], buffer, kept, out=kept)
+            flats_kept = kept.split(joint.sizes)
+        torch._foreach_copy_(memories, flats if finite is joint.all_finite else flats_kept)
+        for factors, flat in zip(joint.owners, flats):
+            self._gradients(factors, {"q": flat}, out, grads)
 
     def kinds(self, factors: Factors) -> list[str]:
         return ["q"]
@@ -272,12 +341,12 @@ class Alternating(_Schedule):
 
     def prepare(self, factors: Factors) -> None:
         """Build, per step parity, the partners: P̂ for groups sending Q, Q̂ for those sending P."""
-        groups, args = list(factors.groups.values()), (factors.dtype, factors.device)
-        factors.partner_batches = [
-            padded_batches([g for g in groups if g.sends[phase] == "q"], "p", *args, True)
-            + padded_batches([g for g in groups if g.sends[phase] == "p"], "q", *args, True)
-            for phase in (0, 1)
-        ]
+        factors.partners = [[], []]
+        for phase, (side, sent) in itertools.product((0, 1), (("p", "q"), ("q", "p"))):
+            groups = [g for g in factors.groups.values() if g.sends[phase] == sent]
+            if groups:  # the memories of that side, and the draws' scratch
+                memory, draw = factors.partner_flats[side]
+                factors.partners[phase].append(Concatenation([memory], [draw], [groups], side))
 
     def draw(self, factors: Factors) -> None:
         factors.q_local.normal_(generator=factors.generator)  # free until used: scratch
@@ -411,15 +480,12 @@ class PowerSGDCompressor:
             if key[0] in buckets:
                 factors.allocate(p_memory=self.config.rounds == 1)
                 self.schedule.prepare(factors)
-                for batch in {b for batches in factors.partner_batches for b in batches}:
-                    memory, draw = factors.partner_flats[batch.side]
-                    batch.flats = ([memory], [draw])
         self.factors = [self._keyed[k] for k in self._generators if k in self._keyed]
         self._by_bucket = {}
         for key in self._generators:
             if key in self._keyed:
                 self._by_bucket.setdefault(key[0], []).append(self._keyed[key])
-        self._join()
+        self._joint = JointStep(self.factors, self.schedule.rounds)
 
     def set_ranks(self, ranks: Mapping[object, int]) -> dict[str, torch.Tensor]:
         """Send each bucket of `ranks` at its new rank (0: as it is) from the next step on.
@@ -534,7 +600,7 @@ class PowerSGDCompressor:
         """Prepare this step's orthonormal partners: from memory (warm start) or fresh.
 
         Every bucket's at once, in as few batches as `padded_batches` allows
-        across buckets (`_join`): on a GPU each batch is a few dozen launches.
+        across buckets (`JointStep`): on a GPU each batch is a few dozen launches.
 
         Args:
             workers: how many workers sum P and Q (sets the float16 wire scale).
@@ -542,40 +608,18 @@ class PowerSGDCompressor:
         """
         schedule = self.schedule
         schedule.workers, schedule.phase, schedule.warm = workers, done % 2, done > 0
-        for factors, batches in self._joint[schedule.phase]:
-            schedule.begin_step(factors, batches)
+        for owners, joins in self._joint.partners[schedule.phase]:
+            schedule.begin_step(owners, joins)
 
-    def _join(self) -> None:
-        """Per step parity and (device, dtype): all buckets' partner batches, padded together.
-
-        Each bucket's own (`Factors.partner_batches`, which the schedule chose
-        the sides and groups of) stay for one bucket's step (auto's probe).
-        """
-        self._joint = [[], []]
-        for phase in (0, 1):
-            if phase and all(f.partner_batches[0] is f.partner_batches[1] for f in self.factors):
-                self._joint[1] = self._joint[0]  # rounds=2: the same partners every step
-                break
-            kinds: dict[tuple, list[Factors]] = {}
-            for factors in self.factors:
-                kinds.setdefault((factors.device, factors.dtype), []).append(factors)
-            for (device, dtype), owners in kinds.items():
-                batches = []
-                for side in ("p", "q"):
-                    pairs = [
-                        (g, i)
-                        for i, f in enumerate(owners)
-                        for b in f.partner_batches[phase]
-                        if b.side == side
-                        for g in b.groups
-                    ]
-                    groups, index = [g for g, _ in pairs], [i for _, i in pairs]
-                    for batch in padded_batches(groups, side, dtype, device, True, index):
-                        mine = owners if batch.rows is not None else [owners[batch.owner]]
-                        flats = [f.partner_flats[side] for f in mine]
-                        batch.flats = ([m for m, _ in flats], [d for _, d in flats])
-                        batches.append(batch)
-                self._joint[phase].append((owners, batches))
+    def project_all(self, p_sums: Mapping) -> dict:
+        """rounds=2: `project` of several buckets, bucket -> its summed P buffers (as
+        `project` takes them), every bucket's at once where they are all (`JointStep`);
+        returns bucket -> its Q buffers."""
+        sums = {id(f): p for b, ps in p_sums.items() for f, p in zip(self.of(b), ps)}
+        if len(sums) != len(self.factors):
+            return {b: self.project(ps, b) for b, ps in p_sums.items()}
+        qs = self._joint.project(self.schedule, sums)
+        return {b: [qs[id(f)] for f in self.of(b)] for b in p_sums}
 
     def compress(self, name: str, grad: torch.Tensor | None) -> None:
         """This parameter's part of the step that needs only its gradient (None: zero)."""
@@ -586,11 +630,20 @@ class PowerSGDCompressor:
         return [t for factors in self.of(bucket) for t in self.schedule.send_buffers(factors)]
 
     def project(self, p_sums: list[torch.Tensor], bucket=None) -> list[torch.Tensor]:
-        """rounds=2: the Q buffers to average in place, from the summed P buffers."""
+        """rounds=2: the Q buffers to average in place, from the summed P buffers (bucket
+        None: every bucket's, projected at once as `project_all` does)."""
+        if bucket is None:
+            qs = self._joint.project(self.schedule, dict(zip(map(id, self.factors), p_sums)))
+            return [qs[id(f)] for f in self.factors]
+        self._joint.projected = False
         return [self.schedule.project(f, p_sum) for f, p_sum in zip(self.of(bucket), p_sums)]
 
     def update_error(self, bucket=None) -> None:
-        """rounds=2: keep what this worker's compression dropped (rounds=1 did in compress)."""
+        """rounds=2: keep what this worker's compression dropped (rounds=1 did in compress);
+        bucket None: every bucket's, after `project` of every bucket."""
+        if bucket is None and self._joint.projected:
+            self._joint.update_error(self.schedule)
+            return
         for factors in self.of(bucket):
             self.schedule.update_error(factors)
 
@@ -605,8 +658,24 @@ class PowerSGDCompressor:
             bucket: the caller's bucket they belong to (None: all).
         """
         grads, received = {}, iter(avgs)
+        if bucket is None and self._joint.projected:  # rounds=2, every bucket's at once
+            received = dict(zip(map(id, self.factors), received))
+            self._joint.decompress(self.schedule, received, out or {}, grads)
+            return grads
         for factors in self.of(bucket):
             self.schedule.decompress(factors, received, out or {}, grads)
+        return grads
+
+    def decompress_all(self, avgs: Mapping, out=None) -> dict[str, torch.Tensor]:
+        """`decompress` of several buckets, bucket -> its averaged buffers; every bucket's at
+        once where they are all (rounds=2)."""
+        grads = {}
+        if not (self._joint.projected and set(avgs) >= set(self._by_bucket)):
+            for b, a in avgs.items():
+                grads.update(self.decompress(list(a), out, b))
+            return grads
+        received = {id(f): t for b, ts in avgs.items() for f, t in zip(self.of(b), ts)}
+        self._joint.decompress(self.schedule, received, out or {}, grads)
         return grads
 
     # --- checkpoints --------------------------------------------------------------
@@ -789,6 +858,64 @@ class PowerSGDCompressor:
                 yield g.names, g.rows["matrices"], g.rows[sent]
 
 
+class JointStep:
+    """What a step does for every bucket at once (per device and dtype): the partners'
+    orthogonalisation of each step parity, and rounds=2's projection, its error update and
+    its decompression (`project` of all buckets), each padded together across buckets on
+    a `Concatenation` of their buffers, their finiteness checked at once (`JointFactors`).
+
+    Each bucket's own (`Factors.partners`, which the schedule chose the sides and groups
+    of, and `Factors.projection`) stay for one bucket's step (auto's probe, hierarchical
+    PowerSGD).
+    """
+
+    def __init__(self, factors: list[Factors], rounds: int):
+        kinds: dict[tuple, list[Factors]] = {}
+        for f in factors:
+            kinds.setdefault((f.device, f.dtype), []).append(f)
+        self.partners: list[list] = [[], []]  # by step parity: (owners, joins)
+        for phase in (0, 1):
+            if phase and all(f.partners[0] is f.partners[1] for f in factors):
+                self.partners[1] = self.partners[0]  # rounds=2: the same partners every step
+                break
+            for owners in kinds.values():
+                joins = []
+                for side in ("p", "q"):
+                    groups = [
+                        [g for j in f.partners[phase] if j.side == side for g in j.groups[0]]
+                        for f in owners
+                    ]
+                    if any(groups):
+                        memories, draws = zip(*(f.partner_flats[side] for f in owners))
+                        joins.append(Concatenation(list(memories), list(draws), groups, side))
+                self.partners[phase].append((owners, joins))
+        self.projections = []  # rounds=2: (JointFactors, concatenation)
+        for owners in kinds.values() if rounds == 2 else ():
+            groups = [list(f.groups.values()) for f in owners]
+            joined = Concatenation([f.p for f in owners], None, groups, "p")
+            self.projections.append((JointFactors(owners), joined))
+        self.projected = False  # this step's P were projected here (not bucket by bucket)
+
+    def project(self, schedule: TwoRounds, p_sums: dict) -> dict:
+        """id(factors) -> its Q buffer, from id(factors) -> its summed P, of every bucket."""
+        qs = {}
+        for joint, joined in self.projections:
+            mine = [p_sums[id(f)] for f in joint.owners]
+            qs.update(zip(map(id, joint.owners), schedule.project_joint(joint, mine, joined)))
+        self.projected = True
+        return qs
+
+    def update_error(self, schedule: TwoRounds) -> None:
+        for joint, _ in self.projections:
+            schedule.update_error_joint(joint)
+
+    def decompress(self, schedule: TwoRounds, received: dict, out: dict, grads: dict) -> None:
+        """Every bucket's gradients from id(factors) -> its averaged Q buffer."""
+        for joint, _ in self.projections:
+            mine = [received[id(f)] for f in joint.owners]
+            schedule.decompress_joint(joint, mine, out, grads)
+
+
 def local_step(
     compressor: PowerSGDCompressor, bucket: int, grads: Mapping, out: dict, *, workers: int = 1,
     done: int = 2, partners: bool = True, mark=None,
@@ -821,7 +948,7 @@ def local_step(
     schedule.workers, schedule.phase, schedule.warm = workers, done % 2, done > 0
     if partners:
         for f in factors:
-            schedule.begin_step([f], f.partner_batches[schedule.phase])
+            schedule.begin_step([f], f.partners[schedule.phase])
         mark("partners")
     for name in names:
         compressor.compress(name, grads[name])

@@ -21,6 +21,11 @@ import torch
 
 from .linalg import dependence_floor, matrix_shape
 
+# Device types where reading a tensor on the host costs nothing worth avoiding (no
+# stream to stall): there a step may look at a flag instead of computing both ways.
+# bench.dispatch empties it to count the ops a step dispatches on an accelerator.
+HOST_READS_FREE = {"cpu"}
+
 
 @dataclass
 class ShapeGroup:
@@ -133,113 +138,118 @@ class PaddedBatch:
     real ones, and `orthogonalize_` keeps a zero column zero, so each matrix
     comes out as it would alone (up to rounding, which is the same on every
     rank). A batch holds groups at most twice as long as its shortest, so
-    padding at most doubles that work. Factors move between the bucket's flat
-    buffers and the batch with one indexed copy each way; a batch of one group
-    works on the flat buffer's view, without copies.
+    padding at most doubles that work. Factors move between the `Concatenation`
+    the batch belongs to and the batch with one indexed read in (the padding
+    reads the zero that ends it) and one indexed copy out; a batch of one group
+    works on a view of the concatenation, without copies.
 
     Tensors are in the groups' transposed layout, (k, r, x); `side` "p" pads
     P-shaped factors (x = n, flat buffers in P's layout), "q" Q-shaped ones
-    (x = m, Q's layout).
+    (x = m, Q's layout). `shifts`: per group, where its bucket's flat buffer
+    starts in the concatenation.
     """
 
-    def __init__(
-        self, groups: list[ShapeGroup], side: str, dtype, device, draws: bool, owners=None
-    ):
-        self.groups = groups
-        self.side = side
-        # owners: per group, which of the flat buffers `gather` and `scatter` take holds
-        # it (several buckets' partners batched together); None: all the first.
-        owners = owners or [0] * len(groups)
+    def __init__(self, groups: list[ShapeGroup], side: str, joined, draws: bool, shifts):
+        self.groups, self.side, self.joined = groups, side, joined
         lengths = [g.n if side == "p" else g.m for g in groups]
-        offsets = [g.p_offset if side == "p" else g.q_offset for g in groups]
+        offsets = [s + (g.p_offset if side == "p" else g.q_offset) for g, s in zip(groups, shifts)]
         self.spans = []  # (first matrix, end) of each group in the batch
         for g in groups:
             start = self.spans[-1][1] if self.spans else 0
             self.spans.append((start, start + g.count))
-        self.single = (offsets[0], groups[0].count, groups[0].rank, lengths[0])
-        self.owner = owners[0]  # of a batch of one group: `gather` takes its buffers alone
         # orthogonalize_'s floor: lower for matrices at full rank (one per matrix
         # where the batch mixes them).
+        buffer = joined.buffer
         full = [g.rank == min(g.n, g.m) for g in groups for _ in range(g.count)]
         self.floor = dependence_floor(
-            dtype, full[0] if len(set(full)) == 1 else torch.tensor(full, device=device)
+            buffer.dtype,
+            full[0] if len(set(full)) == 1 else torch.tensor(full, device=buffer.device),
         )
-        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(flat) -> view
-        self.rows = self.draw = None
-        self.flats = None  # the caller's (flat buffers, draws' flat buffers), if it keeps them
-        self.parts: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self.index = None  # where each of the batch's elements is read (none: a view)
         if len(groups) == 1:
+            g, offset, length = groups[0], offsets[0], lengths[0]
+            shape, end = (g.count, g.rank, length), offset + g.count * g.rank * length
+            self.rows = buffer[offset:end].view(shape)
+            self.draw = joined.draw[offset:end].view(shape) if draws else None
             return
         count, rank, length = self.spans[-1][1], max(g.rank for g in groups), max(lengths)
-        self.rows = torch.zeros(count, rank, length, dtype=dtype, device=device)
-        self.rows_flat = self.rows.view(-1)
-        if draws:
-            self.draw = torch.zeros_like(self.rows)
-            self.draw_flat = self.draw.view(-1)
-        parts: dict[int, tuple[list, list]] = {}
-        for g, (a, _), x, offset, owner in zip(groups, self.spans, lengths, offsets, owners):
-            src, dst = parts.setdefault(owner, ([], []))
+        self.rows = buffer.new_zeros(count, rank, length)
+        self.draw = torch.zeros_like(self.rows) if draws else None
+        src, dst = [], []
+        for g, (a, _), x, offset in zip(groups, self.spans, lengths, offsets):
             src.append(offset + torch.arange(g.count * g.rank * x))
             i = torch.arange(a, a + g.count).view(-1, 1, 1)
             j = torch.arange(g.rank).view(1, -1, 1)
             place = (i * rank + j) * length + torch.arange(x).view(1, 1, -1)
             dst.append(place.reshape(-1))
-        # Per owner: elements of its flat buffer, and their places in the batch.
-        self.parts = [
-            (owner, torch.cat(src).to(device), torch.cat(dst).to(device))
-            for owner, (src, dst) in sorted(parts.items())
-        ]
+        # Elements of the concatenation, and their places in the batch.
+        src, dst = torch.cat(src), torch.cat(dst)
+        index = torch.full((self.rows.numel(),), joined.zero, dtype=torch.long)
+        index[dst] = src
+        self.src, self.dst, self.index = (t.to(buffer.device) for t in (src, dst, index))
 
-    def _view(self, flat: torch.Tensor) -> torch.Tensor:
-        # The flat buffers a step passes are the bucket's own, the same every
-        # step: their views are kept (with the buffer, so its id stays its own).
-        kept = self._views.get(id(flat))
-        if kept is not None and kept[0] is flat:
-            return kept[1]
-        offset, count, rank, length = self.single
-        view = flat[offset : offset + count * rank * length].view(count, rank, length)
-        if len(self._views) < 4:
-            self._views[id(flat)] = (flat, view)
-        return view
-
-    def gather(self, flats: list[torch.Tensor], draw_flats: list[torch.Tensor] | None = None):
-        """(batch, draws' batch): the groups' factors of `flats` (and `draw_flats`), padded.
-
-        `flats`: the flat buffers, one per owner; a batch of one group takes
-        its owner's alone (a list of one), and works on a view of it.
-        """
-        if self.rows is None:
-            return self._view(flats[0]), draw_flats and self._view(draw_flats[0])
-        # Zero first: a non-finite matrix leaves NaN in its padding, which
-        # must not reach the next step's norms.
-        self.rows.zero_()
-        for owner, src, dst in self.parts:
-            self.rows_flat.index_copy_(0, dst, flats[owner].index_select(0, src))
-            if draw_flats is not None:
-                self.draw_flat.index_copy_(0, dst, draw_flats[owner].index_select(0, src))
+    def gather(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(batch, draws' batch): the groups' factors (and draws) of the concatenation, padded."""
+        if self.index is not None:
+            torch.index_select(self.joined.buffer, 0, self.index, out=self.rows.view(-1))
+            if self.draw is not None:
+                torch.index_select(self.joined.draw, 0, self.index, out=self.draw.view(-1))
         return self.rows, self.draw
 
-    def scatter(self, flats: list[torch.Tensor]) -> None:
-        """Copy the batch's results back into `flats` (one per owner)."""
-        for owner, src, dst in self.parts if self.rows is not None else ():
-            flats[owner].index_copy_(0, src, self.rows_flat.index_select(0, dst))
+    def scatter(self) -> None:
+        """Copy the batch's results back into the concatenation."""
+        if self.index is not None:
+            rows = self.rows.view(-1).index_select(0, self.dst)
+            self.joined.buffer.index_copy_(0, self.src, rows)
 
     def split(self, per_matrix):
         """A (K, 1, 1) tensor of the batch as per-group (k, 1, 1) views (None: Nones)."""
         return [None if per_matrix is None else per_matrix[a:b] for a, b in self.spans]
 
 
-def padded_batches(groups, side: str, dtype, device, draws: bool, owners=None) -> list[PaddedBatch]:
-    """`groups` by length (n for side "p", m for "q"), cut where padding would double the work.
+class Concatenation:
+    """One side's factors of one or several buckets, orthogonalised in padded batches.
+
+    The buckets' flat buffers of that kind (`flats`, and their draws' `draws`) are
+    copied into one flat tensor that ends in a zero (`open`), each batch reads from
+    and writes to it, and the results go back (`close`): a few launches a step on a
+    GPU, whatever the buckets, in place of indexed copies per bucket and batch.
+    `groups`: per bucket, the groups to orthogonalise (`padded_batches` batches them).
+    """
+
+    def __init__(self, flats: list, draws: list | None, groups: list[list], side: str):
+        self.flats, self.draws, self.groups, self.side = flats, draws, groups, side
+        self.sizes = [f.numel() for f in flats]
+        self.shifts = [sum(self.sizes[:i]) for i in range(len(flats))]
+        self.zero = sum(self.sizes)
+        self.buffer = flats[0].new_zeros(self.zero + 1)
+        self.draw = None if draws is None else torch.zeros_like(self.buffer)
+        self.parts = list(self.buffer[: self.zero].split(self.sizes))
+        shifted = [(g, shift) for gs, shift in zip(groups, self.shifts) for g in gs]
+        self.batches = padded_batches(shifted, side, self, draws is not None)
+
+    def open(self) -> None:
+        """Copy the buckets' buffers (and draws) in."""
+        torch.cat(self.flats, out=self.buffer[: self.zero])
+        if self.draws is not None:
+            torch.cat(self.draws, out=self.draw[: self.zero])
+
+    def close(self) -> None:
+        """Copy the results back into the buckets' buffers."""
+        torch._foreach_copy_(self.flats, self.parts)
+
+
+def padded_batches(shifted, side: str, joined: Concatenation, draws: bool) -> list[PaddedBatch]:
+    """(group, shift) pairs by length (n for side "p", m for "q"), cut where padding would
+    double the work.
 
     Each batch costs a fixed number of operations (kernel launches on a GPU),
     so the fewer the better; the padded batch's elements, which the QR works
-    through, stay at most twice the groups' own. `owners`: as `PaddedBatch`'s.
+    through, stay at most twice the groups' own.
     """
     length = (lambda g: g.n) if side == "p" else (lambda g: g.m)
-    owned = list(zip(groups, owners or [0] * len(groups)))
     batches, current, own = [], [], 0
-    for g, owner in sorted(owned, key=lambda pair: length(pair[0])):  # stable: same on every rank
+    for g, shift in sorted(shifted, key=lambda pair: length(pair[0])):  # stable: same everywhere
         size = g.count * g.rank * length(g)
         if current:
             count = sum(c.count for c, _ in current) + g.count
@@ -247,14 +257,11 @@ def padded_batches(groups, side: str, dtype, device, draws: bool, owners=None) -
             if padded > 2 * (own + size):
                 batches.append(current)
                 current, own = [], 0
-        current.append((g, owner))
+        current.append((g, shift))
         own += size
     if current:
         batches.append(current)
-    return [
-        PaddedBatch([g for g, _ in b], side, dtype, device, draws, [o for _, o in b])
-        for b in batches
-    ]
+    return [PaddedBatch([g for g, _ in b], side, joined, draws, [s for _, s in b]) for b in batches]
 
 
 class Factors:
@@ -278,8 +285,8 @@ class Factors:
         # keeps columns of another rank): no float16 wire scale from them yet.
         self.warm = True
         # --- the schedule's own, per step (compressor.py) ----------------------------
-        self.partner_batches: list[list[PaddedBatch]] = [[], []]  # by step parity
-        self.project_batches: list[PaddedBatch] = []  # rounds=2: the summed P
+        self.partners: list[list[Concatenation]] = [[], []]  # by step parity, per side
+        self.projection: Concatenation | None = None  # rounds=2: the summed P
         self.p_finite: torch.Tensor | None = None  # rounds=2: per matrix, P of this step
         self.sent: list[str] = []  # rounds=1: "p"/"q", what this step sends
 
@@ -387,7 +394,7 @@ class Factors:
         finite where every term is, and NaN or infinite where one is not (or,
         harmlessly, where finite entries near float's largest overflow it).
         """
-        if self.device.type == "cpu" and all(math.isfinite(float(t.sum())) for t, _ in parts):
+        if self.device.type in HOST_READS_FREE and all(math.isfinite(t.sum()) for t, _ in parts):
             # The usual case, seen from the host at no cost on the CPU.
             return self.all_finite
         sums = torch.zeros(self.matrix_count, dtype=self.dtype, device=self.device)
@@ -395,12 +402,56 @@ class Factors:
             sums.index_add_(0, ids[: tensor.numel()], tensor)
         return (sums - sums) == 0  # NaN wherever the sum is not finite
 
-    def drop_non_finite_error(self, finite: torch.Tensor) -> None:
-        """Zero the error buffers of the matrices whose flag in `finite` (K,) is False."""
+    def drop_non_finite_error(self, finite: torch.Tensor, dropped=None) -> None:
+        """Zero the error buffers of the matrices whose flag in `finite` (K,) is False
+        (`dropped`: ~finite, where the caller has it)."""
         # On the CPU a host-side look at the flags costs nothing and saves a
         # pass over every error buffer; on an accelerator it would stall the
         # stream, so there the fill runs unconditionally.
-        if self.device.type == "cpu" and finite is self.all_finite:
+        if self.device.type in HOST_READS_FREE and finite is self.all_finite:
             return
+        dropped = ~finite if dropped is None else dropped
         for g in self.groups.values():
-            g.matrices.masked_fill_(~finite[g.first : g.first + g.count].view(-1, 1, 1), 0)
+            g.matrices.masked_fill_(dropped[g.first : g.first + g.count].view(-1, 1, 1), 0)
+
+
+class JointFactors:
+    """Several buckets' `Factors` of one device and dtype (`owners`), for the checks a step
+    makes on all of them at once: which matrices are finite, in a few operations on a
+    concatenation of their buffers, not a few per bucket."""
+
+    def __init__(self, owners: list[Factors]):
+        self.owners = owners
+        firsts = [0]
+        for f in owners:
+            firsts.append(firsts[-1] + f.matrix_count)
+        self.spans = list(zip(firsts, firsts[1:]))
+        self.count = firsts[-1]
+        # Which matrix (of all owners') each element of the concatenated P or Q buffers is.
+        self.ids = {
+            kind: torch.cat([f.matrix_ids[kind] + first for f, first in zip(owners, firsts)])
+            for kind in ("p", "q")
+        }
+        self.all_finite = owners[0].all_finite.new_ones(self.count)
+        self.p_finite = self.all_finite  # rounds=2: of this step's summed P
+        # rounds=2: the received Q buffers concatenated, and the Q memories (scratch).
+        self.sizes = [f.q_memory.numel() for f in owners]
+        self.received = owners[0].q_memory.new_empty(sum(self.sizes))
+        self.memory = torch.empty_like(self.received)
+
+    def finite(self, buffer: torch.Tensor, kind: str) -> torch.Tensor:
+        """(K,) bool over every owner's matrices: whether each is finite in `buffer`, the
+        owners' `kind` ("p" or "q") buffers concatenated (`all_finite` itself where the
+        host can see that all are)."""
+        f = self.owners[0]
+        if f.device.type in HOST_READS_FREE and math.isfinite(float(buffer.sum())):
+            return self.all_finite
+        sums = torch.zeros(self.count, dtype=f.dtype, device=f.device)
+        sums.index_add_(0, self.ids[kind], buffer)
+        return (sums - sums) == 0  # NaN wherever the sum is not finite
+
+    def split(self, flags: torch.Tensor) -> list[torch.Tensor]:
+        """Each owner's part of per-matrix `flags` (`all_finite`: each owner's own)."""
+        if flags is self.all_finite:
+            return [f.all_finite for f in self.owners]
+        return [flags[a:b] for a, b in self.spans]

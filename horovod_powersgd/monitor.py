@@ -17,7 +17,9 @@ averages there. The host reads them only when asked (`layers()`), and every
 
     bucket_ready(bucket, names, grads)  # a bucket's gradients are complete and
                               # compressed: their norms (one fused op), rounds=1
-                              # also the residuals (before the factors are summed)
+                              # also the residuals (before the factors are summed);
+                              # or, apart, residuals(bucket) (rounds=1) and then
+                              # gradients(names, grads) of every bucket at once
     end_step(step, ...)       # after the step (rounds=2: the residuals, a few ops
                               # per shape group); every CHECK_EVERY steps one tiny
                               # all-reduce, the detector, the warning, the log line
@@ -279,9 +281,19 @@ class LayerMonitor:
         Call once the bucket's gradients are all compressed and before its
         factors are sent (rounds=1 sums them in place).
         """
-        self._norms[0].index_copy_(0, self._indices(names), _norms(grads))
+        self.gradients(names, grads)
         if self.compressor.config.rounds == 1:
             self._note_residuals(bucket)
+
+    def gradients(self, names: list[str], grads: list[torch.Tensor]) -> None:
+        """Note the local gradients of compressed layers (one fused norm): any time between
+        their compression and their aggregation (the flat reducer: all of a step's at once)."""
+        self._norms[0].index_copy_(0, self._indices(names), _norms(grads))
+
+    def residuals(self, bucket) -> None:
+        """rounds=1: note a bucket's residuals and factors, before its factors are summed in
+        place (`bucket_ready` with `gradients` apart)."""
+        self._note_residuals(bucket)
 
     def compressed(self, name: str, grad: torch.Tensor | None) -> None:
         """One layer's `bucket_ready` (rounds=1: residuals of its whole bucket)."""

@@ -9,13 +9,13 @@ One step, in the order it runs (rounds=2; docs/architecture.md lists each functi
       reducer.ready(p)              compressor.compress (M = grad + e, P = M·Q̂), the
                                     statistics' gradient norm; once p's bucket is complete,
                                     its first round leaves (reducer._launch: P and the
-                                    uncompressed gradients, one grouped all-reduce); every
-                                    bucket whose P is back is projected (reducer._first_back:
-                                    compressor.project, compressor.update_error)
+                                    uncompressed gradients, one grouped all-reduce)
     optimizer.step()
-      optimizer.synchronize()       reducer.finish: the other P's back and projected; the Q
-                                    round of all buckets at once (reducer._q_round: one
-                                    grouped all-reduce, one wait); then compressor.decompress
+      optimizer.synchronize()       reducer.finish: every P back (one wait each, one round
+                                    trip); all projected at once and the Q round of all
+                                    buckets (reducer._q_round: compressor.project_all,
+                                    compressor.update_error, one grouped all-reduce, one
+                                    wait); then compressor.decompress
                                     into p.grad (grad = P̂·Q_avgᵀ); the step counter;
                                     monitor.end_step
       the wrapped optimizer's step  on the aggregated gradients

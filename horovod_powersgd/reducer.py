@@ -52,8 +52,8 @@ class Bucket:
         # Round 1's uncompressed gradients: their parameters, and them packed for the wire.
         self.sent, self.packed = [], None
         self.factor_count = 0  # leading tensors of round 1 that are P/Q buffers
-        # Round 1's results once back: the uncompressed, and the factors (rounds=2,
-        # compressed: this worker's Q buffers, once projected).
+        # Round 1's results once back: the uncompressed, and the factors (P and Q
+        # summed; rounds=2 projects them in `finish`).
         self.received, self.factors = [], None
 
 
@@ -132,45 +132,44 @@ class Reducer:
         bucket.ready += 1
         if bucket.ready == len(bucket.params) and bucket.dense:  # else all sent elsewhere
             self._launch(bucket)
-        if self.two_rounds and self.compressing:
-            for b in self.launched:  # project every bucket whose P is back (Q waits: finish)
-                if b.factor_count and b.factors is None and self.comm.poll(b.handles[0]):
-                    self._first_back(b)
 
     def finish(self) -> None:
         """Complete every round; afterwards each `p.grad` holds its aggregate (then `reset`).
 
         Two dependent rounds at most after backward, whatever the number of buckets:
         every first round left during backward, so waiting for those not back yet is
-        one round trip; rounds=2 then sends every bucket's Q in one grouped all-reduce
-        and waits once (`_q_round`). Not Q by Q as each P comes back: each would be a
-        wait of its own, and a request alone in a cycle of Horovod's. (The P's back
-        during backward were projected then, in `ready`.)
+        one round trip; rounds=2 then projects every bucket's P at once and sends every
+        bucket's Q in one grouped all-reduce, waited for once (`_q_round`). Not Q by Q
+        as each P comes back: each would be a wait of its own, and a request alone in a
+        cycle of Horovod's; nor P by P: each bucket's orthogonalisation would be a
+        few dozen kernel launches of its own on a GPU.
         """
-        factors = [b.factors or self._first_back(b) for b in self.sending]  # None: not back
+        factors = [self._first_back(b) for b in self.sending]
         if self.compressing and self.two_rounds and any(factors):
             factors = self._q_round(factors)
-        for bucket, last in zip(self.sending, factors):
+        for bucket in self.sending:
             self._receive_uncompressed(bucket, bucket.received)
-            if bucket.factor_count:
-                self._decompress(bucket, last)
+        self._decompress(
+            {b.index: last for b, last in zip(self.sending, factors) if b.factor_count}
+        )
 
     def _first_back(self, bucket: Bucket) -> list:
-        """The bucket's first round is back: its factors lead, its uncompressed results
-        follow. rounds=2 (compressed): P̂ = orth(ΣP) and Q_w = Mᵀ·P̂ become its factors,
-        the Q buffers `finish` sends with every bucket's; then e = M − P̂·Q_wᵀ. Returns
-        the factors."""
+        """Wait for the bucket's first round: its factors lead (returned), its uncompressed
+        results follow (kept)."""
         first = self.comm.wait(bucket.handles[0])
         bucket.received, bucket.factors = first[bucket.factor_count :], first[: bucket.factor_count]
-        if self.two_rounds and self.compressing and bucket.factor_count:
-            bucket.factors = self.compressor.project(bucket.factors, bucket.index)
-            self.compressor.update_error(bucket.index)
         return bucket.factors
 
-    def _q_round(self, qs: list) -> list:
-        """Every bucket's Q buffers (`qs`, [] for a bucket without factors: the same on
-        every rank) in one grouped all-reduce; returns them averaged, bucket by bucket."""
-        averaged = iter(self.comm.wait(self.comm.allreduce_async([t for q in qs for t in q], "q")))
+    def _q_round(self, ps: list) -> list:
+        """rounds=2: from every bucket's summed P (`ps`, [] for a bucket without factors:
+        the same on every rank), P̂ = orth(ΣP) and Q_w = Mᵀ·P̂ of all buckets at once
+        (`PowerSGDCompressor.project_all`), every Q in one grouped all-reduce, and while
+        it runs e = M − P̂·Q_wᵀ; returns them averaged, bucket by bucket."""
+        projected = self.compressor.project_all({b.index: p for b, p in zip(self.sending, ps) if p})
+        qs = [projected.get(b.index, []) for b in self.sending]
+        handle = self.comm.allreduce_async([t for q in qs for t in q], "q")
+        self.compressor.update_error()  # while the Q round runs (it reads this worker's Q_w)
+        averaged = iter(self.comm.wait(handle))
         return [[next(averaged) for _ in q] for q in qs]
 
     def reset(self) -> None:
@@ -189,10 +188,9 @@ class Reducer:
             if p.grad is None:
                 # Unused on this rank; another rank may have a gradient, so send zeros.
                 p.grad = torch.zeros_like(p)
-        if self.monitor is not None and self.compressing and bucket.compressed:
-            self.monitor.bucket_ready(
-                bucket.index, bucket.names, [p.grad for p in bucket.compressed]
-            )
+        monitor = self.monitor if self.compressing and not self.two_rounds else None
+        if monitor is not None and bucket.compressed:  # before its factors are summed
+            monitor.residuals(bucket.index)
         # Warm-up steps, and buckets that rank="auto" sends plain, are plain Horovod
         # (the user's compression); compressed steps send everything else in
         # comm_dtype (where one is set), the uncompressed gradients included.
@@ -216,10 +214,16 @@ class Reducer:
         for p, grad in zip(bucket.sent, grads):
             p.grad = grad  # itself, or a new tensor where it was None
 
-    def _decompress(self, bucket: Bucket, factors) -> None:
-        """The bucket's compressed gradients, written into `p.grad` as it is now."""
-        out = {self.names[p]: p.grad for p in bucket.compressed if p.grad is not None}
-        grads = self.compressor.decompress(list(factors), out=out, bucket=bucket.index)
-        for p in bucket.compressed:
+    def _decompress(self, factors: dict) -> None:
+        """The compressed gradients of the buckets of `factors` (bucket -> its averaged
+        factors), all at once, written into `p.grad` as it is now."""
+        if not factors:
+            return
+        compressed = [p for b in self.sending if b.index in factors for p in b.compressed]
+        out = {self.names[p]: p.grad for p in compressed if p.grad is not None}
+        if self.monitor is not None:  # every local gradient's norm, in one fused op
+            self.monitor.gradients(list(out), list(out.values()))
+        grads = self.compressor.decompress_all(factors, out=out)
+        for p in compressed:
             if p.grad is None:
                 p.grad = grads[self.names[p]]

@@ -16,7 +16,9 @@ Horovod's, median of the steps timed.
 
 Ops are not kernels: a view launches none, and a CUDA linear-algebra op may loop
 over its batch (`kernels_of`), so each row also counts the kernels a CUDA step
-would launch at least, the GPU cost of the eager local work.
+would launch at least, the GPU cost of the eager local work. The counted step takes
+the paths a GPU step takes (`as_on_an_accelerator`: where the CPU reads a flag on the
+host, e.g. whether a factor is finite, a GPU computes both ways on the device).
 """
 
 from __future__ import annotations
@@ -123,14 +125,29 @@ def _step(model, opt, step: int) -> None:
     opt.step()
 
 
+@contextlib.contextmanager
+def as_on_an_accelerator():
+    """The library's steps take the paths they take on a GPU: no host read of a flag
+    (`layout.HOST_READS_FREE` empty), so every check runs on the device as there."""
+    from horovod_powersgd import layout
+
+    before = set(layout.HOST_READS_FREE)
+    layout.HOST_READS_FREE.clear()
+    try:
+        yield
+    finally:
+        layout.HOST_READS_FREE.update(before)
+
+
 def measure(make_optimizer, shapes, steps: int = 6, timed: int = 5) -> dict:
-    """Ops of step `steps` (after `steps` untimed ones) and the median CPU time of `timed` more."""
+    """Ops of step `steps` (after `steps` untimed ones), as on an accelerator, and the
+    median CPU time of `timed` more (the CPU's own paths)."""
     model = ShapesModel(shapes)
     opt = make_optimizer(model)
     for step in range(steps):
         _step(model, opt, step)
     counter = OpCounter()
-    with counter:
+    with as_on_an_accelerator(), counter:
         _step(model, opt, steps)
     times = []
     for step in range(steps + 1, steps + 1 + timed):

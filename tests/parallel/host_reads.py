@@ -10,8 +10,8 @@ then shows what a GPU step would do. Each read is attributed to the innermost
 caller outside torch, with that line's source.
 
 A read whose line first tests for a CPU device (``device.type == "cpu" and
-bool(...)``, a fast path that is free on the CPU) never runs on an accelerator:
-it is marked `cpu_only`.
+bool(...)``, or ``device.type in HOST_READS_FREE and ...``: a fast path that is
+free on the CPU) never runs on an accelerator: it is marked `cpu_only`.
 
 Used by test_host_syncs.py and by the GPU kit's syncs phase (scripts/gpu/gpu_timing.py syncs).
 """
@@ -31,7 +31,7 @@ import torch
 
 # Tensor methods that hand a value to the host, and the `.to()` that moves it there.
 READ_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
-_CPU_GUARD = re.compile(r"""\.type\s*==\s*["']cpu["']""")
+_CPU_GUARD = re.compile(r"""\.type\s*==\s*["']cpu["']|\.type in HOST_READS_FREE""")
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _THIS_FILE = os.path.abspath(__file__)
 

@@ -1,12 +1,13 @@
 """The PowerSGD math in one process; W workers are simulated by summing buffers."""
 
 import contextlib
+import copy
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from horovod_powersgd import PowerSGDCompressor, PowerSGDConfig, linalg, orthogonalize_
+from horovod_powersgd import PowerSGDCompressor, PowerSGDConfig, layout, linalg, orthogonalize_
 
 
 @pytest.fixture(autouse=True, params=["householder", "cholesky"])
@@ -547,9 +548,16 @@ def test_buckets_orthogonalised_together_give_what_each_bucket_gives_alone(round
     config = PowerSGDConfig(rank=4, rounds=rounds, min_compression_rate=0)
     named = [(n, torch.zeros(s)) for n, s in shapes.items()]
     together = [PowerSGDCompressor(named, config, bucket_of=bucket_of) for _ in range(2)]
-    joint = together[0]._joint[0][0][1]
-    own = [b for f in together[0].factors for b in f.partner_batches[0]]
-    assert len(joint) < len(own) and any(len({o for o, *_ in b.parts}) > 1 for b in joint)
+    # The partners (and rounds=2's projections, simulated_step's project of every bucket)
+    # in fewer batches than bucket by bucket, some of them across buckets.
+    factors = together[0].factors
+    owner = {id(g): i for i, f in enumerate(factors) for g in f.groups.values()}
+    joint = [b for j in together[0]._joint.partners[0][0][1] for b in j.batches]
+    own = [b for f in factors for j in f.partners[0] for b in j.batches]
+    assert len(joint) < len(own) and any(len({owner[id(g)] for g in b.groups}) > 1 for b in joint)
+    if rounds == 2:
+        joint = together[0]._joint.projections[0][1].batches
+        assert len(joint) < sum(len(f.projection.batches) for f in factors)
     alone = {
         bucket: [
             PowerSGDCompressor([(n, t) for n, t in named if bucket_of[n] == bucket], config)
@@ -575,6 +583,57 @@ def test_buckets_orthogonalised_together_give_what_each_bucket_gives_alone(round
             single = single[0] if rounds == 2 else single
             for name in mine[0]:
                 torch.testing.assert_close(outs[0][name], single[0][name], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("host_reads", [True, False], ids=["cpu-path", "accelerator-path"])
+@pytest.mark.parametrize("rounds", [2, 1])
+def test_a_non_finite_matrix_resets_its_own_state_only_whatever_its_bucket(
+    monkeypatch, rounds, host_reads
+):
+    # rounds=2 checks every bucket's factors at once (layout.JointFactors) and rounds=1
+    # bucket by bucket; on the CPU a host read of a sum says "all finite" first, on an
+    # accelerator the flags are computed on the device (HOST_READS_FREE empty: that path
+    # on the CPU). Either way a NaN in one matrix of a bucket of two, on one worker, must
+    # zero that matrix's error buffer and keep its memories on every worker, reach the
+    # optimizer in that matrix's gradient only, and leave every other matrix's step as is.
+    if not host_reads:
+        monkeypatch.setattr(layout, "HOST_READS_FREE", set())
+    torch.manual_seed(9)
+    shapes = {"a": (24, 40), "b": (40, 24), "c": (16, 30), "d": (64, 64)}
+    bucket_of = {"a": 0, "b": 1, "c": 2, "d": 2}
+    config = PowerSGDConfig(rank=2, rounds=rounds, min_compression_rate=0)
+    named = [(n, torch.zeros(s)) for n, s in shapes.items()]
+    workers = [PowerSGDCompressor(named, config, bucket_of=bucket_of) for _ in range(2)]
+    twin = [PowerSGDCompressor(named, config, bucket_of=bucket_of) for _ in range(2)]
+
+    def run(compressors, grads):
+        if rounds == 2:
+            return simulated_step(compressors, grads)[0]
+        return alternating_step(compressors, grads)
+
+    for _ in range(3):
+        grads = [{n: torch.randn(s) for n, s in shapes.items()} for _ in workers]
+        run(workers, grads)
+        run(twin, grads)
+    memories = ("q_memory", "p_memory") if rounds == 1 else ("q_memory",)
+    # The memories as the step starts from them (begin_step orthonormalises a partner's).
+    started = copy.deepcopy(workers[0])
+    started.begin_step(workers=2, done=started.test_steps_done)
+    before = {(k, n): started._state_tensor(k, n).clone() for k in memories for n in shapes}
+    grads = [{n: torch.randn(s) for n, s in shapes.items()} for _ in workers]
+    clean = run(twin, grads)
+    grads[0]["c"][2, 3] = float("nan")
+    outs = run(workers, grads)
+    for w, (c, out) in enumerate(zip(workers, outs)):
+        assert not torch.isfinite(out["c"]).all()
+        assert torch.equal(c._state_tensor("error_buffers", "c"), torch.zeros(16, 30))
+        for kind in memories:
+            assert torch.equal(c._state_tensor(kind, "c"), before[kind, "c"]), kind
+        for name in ("a", "b", "d"):  # as in the same step without the NaN
+            assert torch.equal(out[name], clean[w][name]), name
+            for kind in ("error_buffers", *memories):
+                mine, theirs = c._state_tensor(kind, name), twin[w]._state_tensor(kind, name)
+                assert torch.equal(mine, theirs), (name, kind)
 
 
 class _TF32(TorchDispatchMode):

@@ -1,11 +1,15 @@
 """compressor.local_step, the one driver of the local step outside the reducer, runs what
 the reducer runs: on one worker its gradients are the reducer's, bit for bit. rank="auto"
 times it to choose each bucket's rank, and the GPU kit times it: a probe that drifted from
-the reducer's order would time (and choose by) another step than the job's."""
+the reducer's order would time (and choose by) another step than the job's. (One
+difference, by design: the reducer projects every bucket's P at once, the probe a bucket's
+alone, so a bucket's time there is what its projection costs alone, at most its share of
+the joined one.)"""
 
 import pytest
 import torch
 
+from horovod_powersgd import linalg
 from horovod_powersgd import reducer as reducer_module
 from horovod_powersgd.comm import Compression, Packed
 from horovod_powersgd.compressor import PowerSGDCompressor, local_step
@@ -46,9 +50,17 @@ def _compressor(params, names, buckets, rounds):
     return PowerSGDCompressor([(names[p], p) for p in params], config, bucket_of=bucket_of)
 
 
+@pytest.mark.parametrize("method", ["householder", "cholesky"])
 @pytest.mark.parametrize("rounds", [1, 2])
-def test_local_step_is_the_reducers_step_on_one_worker(monkeypatch, rounds):
+def test_local_step_is_the_reducers_step_on_one_worker(monkeypatch, rounds, method):
+    # Bit for bit, but for one difference: with rounds=2 the reducer orthogonalises every
+    # bucket's P at once (one padded batch across buckets) where the probe does each
+    # bucket's alone. CholeskyQR gives each matrix the same bits whatever its batch;
+    # Householder's rounding depends on the padding: measured at most 9.3e-7 of the
+    # gradient's largest entry (seeds 0-4, 4 steps each); the bound, 1e-5, leaves 10x.
     monkeypatch.setattr(reducer_module, "BUCKET_BYTES", 4 * 1024)  # several buckets
+    monkeypatch.setattr(linalg, "METHOD", method)
+    exact = rounds == 1 or method == "cholesky"
     torch.manual_seed(0)
     params = [torch.zeros(shape) for shape in SHAPES]
     names = {p: f"p{i}" for i, p in enumerate(params)}
@@ -75,7 +87,8 @@ def test_local_step_is_the_reducers_step_on_one_worker(monkeypatch, rounds):
         assert sorted(ran) == sorted(compressed)
         for p in params:
             if names[p] in compressed:
-                assert torch.equal(out[names[p]], p.grad), (rounds, done, names[p])
+                gap = (out[names[p]] - p.grad).abs().max() / p.grad.abs().max()
+                assert gap == 0 if exact else gap < 1e-5, (rounds, done, names[p], gap)
                 assert not torch.equal(p.grad, grads[names[p]])  # compressed: not the input
 
 
