@@ -64,6 +64,16 @@ def _accumulate(group: ShapeGroup, index: int, grad, error_feedback: bool) -> No
         group.rows["matrices"][index].zero_()
 
 
+def _accumulate_all(factors: Factors, grads: Mapping, error_feedback: bool) -> None:
+    """`_accumulate` of every matrix of `factors` (name -> its gradient, every one), in one
+    fused add (or copy) over them all."""
+    pairs = [(g, i, grads[name]) for g in factors.groups.values() for i, name in enumerate(g.names)]
+    targets = [g.rows["matrices" if grad.dim() == 2 else "shaped"][i] for g, i, grad in pairs]
+    (torch._foreach_add_ if error_feedback else torch._foreach_copy_)(
+        targets, [grad for _, _, grad in pairs]
+    )
+
+
 class _Schedule:
     """What the two schedules share; see `TwoRounds` and `Alternating`."""
 
@@ -145,6 +155,32 @@ class _Schedule:
             memory.copy_(factor)
         self._gradients(factors, flat, out, grads)
 
+    def decompress_joint(self, joint: JointFactors, received: list, out: dict, grads: dict):
+        """`decompress` of every owner of `joint` at once (rounds=2: after `project_joint`):
+        `received`, each owner's averaged buffers in `send_buffers`' order; the checks and
+        the memories of all in a few operations (`JointFactors.wire`)."""
+        owners, flats = joint.owners, []
+        for factors, tensors in zip(owners, received):
+            flats.append({k: t.to(factors.dtype) for k, t in zip(self.kinds(factors), tensors)})
+            if factors.scaled:
+                self._unscale(factors, flats[-1])
+        wire = [(k, joint.wire[self.phase, k]) for k in "pq" if (self.phase, k) in joint.wire]
+        sent = {k: torch.cat([flats[i][k] for i, _ in w[0]], out=w[2]) for k, w in wire}
+        finite = self.settle_joint(joint, joint.finite([(sent[k], w[1]) for k, w in wire]))
+        # The averaged factor becomes its memory where finite; memories keep
+        # their last finite value.
+        for kind, (parts, ids, _, kept) in wire:
+            memories = [owners[i].memories[kind][:n] for i, n in parts]
+            factors = [flats[i][kind] for i, _ in parts]
+            if finite is not joint.all_finite:
+                torch.cat(memories, out=kept)
+                factors = torch.where(finite[ids], sent[kind], kept, out=kept).split(
+                    [n for _, n in parts]
+                )
+            torch._foreach_copy_(memories, factors)
+        for factors, flat in zip(owners, flats):
+            self._gradients(factors, flat, out, grads)
+
     def _gradients(self, factors: Factors, flat: dict, out: dict, grads: dict) -> None:
         """grad = P̂·Q_avgᵀ or P_avg·Q̂ᵀ of each matrix, into `grads` (and `out`)."""
         # The gradient uses the factor that was sent, finite or not: a
@@ -158,6 +194,14 @@ class _Schedule:
             )
             for i, name in enumerate(g.names):
                 grads[name] = _write(lefts[i], rights[i], g, i, out.get(name))
+
+
+def _drop_non_finite_errors(joint: JointFactors, finite: torch.Tensor) -> None:
+    """Zero the error buffers of every owner's matrices whose flag in `finite` is False."""
+    if finite is joint.all_finite:  # seen on the host
+        return
+    for factors, mine, dropped in zip(joint.owners, joint.split(finite), joint.split(~finite)):
+        factors.drop_non_finite_error(mine, dropped)
 
 
 def _clear_scales(factors: Factors) -> None:
@@ -214,6 +258,12 @@ class TwoRounds(_Schedule):
         _accumulate(group, i, grad, self.error_feedback)
         torch.mm(rows["qt_memory"][i], rows["matrices_t"][i], out=rows["pt"][i])
 
+    def compress_all(self, factors: Factors, grads: Mapping) -> None:
+        """`compress` of every matrix of `factors`: one fused add, one product a group."""
+        _accumulate_all(factors, grads, self.error_feedback)
+        for g in factors.groups.values():
+            torch.bmm(g.qt_memory, g.matrices.transpose(1, 2), out=g.pt)
+
     def send_buffers(self, factors: Factors) -> list[torch.Tensor]:
         """Step 3: the flat P buffer, to sum in place."""
         if factors.p_comm is not factors.p:
@@ -239,7 +289,9 @@ class TwoRounds(_Schedule):
             if factors.p_comm is not factors.p:
                 factors.p.copy_(p_sum)
         joined.open()
-        joint.p_finite = joint.finite(joined.buffer[: joined.zero], "p")
+        joint.p_finite = joint.finite([(joined.buffer[: joined.zero], joint.p_ids)])
+        for factors, finite in zip(owners, joint.split(joint.p_finite)):
+            factors.p_finite = finite  # for a bucket decompressed alone
         self._orthogonal(joined, owners[0].scaled)
         for factors in owners:
             self._local_q(factors)
@@ -294,32 +346,10 @@ class TwoRounds(_Schedule):
         for factors in joint.owners:
             for g in factors.groups.values():
                 g.matrices.baddbmm_(g.p_batch, g.qt_local, alpha=-1)
-        if joint.p_finite is joint.all_finite:  # seen on the host
-            return
-        finite, dropped = joint.split(joint.p_finite), joint.split(~joint.p_finite)
-        for factors, mine, theirs in zip(joint.owners, finite, dropped):
-            factors.drop_non_finite_error(mine, theirs)
+        _drop_non_finite_errors(joint, joint.p_finite)
 
-    def decompress_joint(self, joint: JointFactors, received: list, out: dict, grads: dict):
-        """`decompress` of every owner of `joint` (after `project_joint`): `received`, each
-        owner's averaged Q buffer; the checks and memories of all at once."""
-        flats = [r.to(f.dtype) for f, r in zip(joint.owners, received)]
-        for f, flat in zip(joint.owners, flats) if joint.owners[0].scaled else ():
-            self._unscale(f, {"q": flat})
-        buffer = torch.cat(flats, out=joint.received)
-        finite = joint.finite(buffer, "q")
-        if joint.p_finite is not joint.all_finite:
-            finite = finite & joint.p_finite
-        memories = [f.q_memory for f in joint.owners]
-        # The averaged factor becomes its memory where finite; memories keep
-        # their last finite value.
-        if finite is not joint.all_finite:
-            kept = torch.cat(memories, out=joint.memory)
-            torch.where(finite[joint.ids["q"]], buffer, kept, out=kept)
-            flats_kept = kept.split(joint.sizes)
-        torch._foreach_copy_(memories, flats if finite is joint.all_finite else flats_kept)
-        for factors, flat in zip(joint.owners, flats):
-            self._gradients(factors, {"q": flat}, out, grads)
+    def settle_joint(self, joint: JointFactors, finite: torch.Tensor) -> torch.Tensor:
+        return finite if joint.p_finite is joint.all_finite else finite & joint.p_finite
 
     def kinds(self, factors: Factors) -> list[str]:
         return ["q"]
@@ -371,6 +401,19 @@ class Alternating(_Schedule):
             if self.error_feedback:
                 matrix.addmm_(rows["p_memory"][i], rows["qt_local"][i], alpha=-1)  # e = M − P̂·Q_wᵀ
 
+    def compress_all(self, factors: Factors, grads: Mapping) -> None:
+        """`compress` of every matrix of `factors`: one fused add, two products a group."""
+        _accumulate_all(factors, grads, self.error_feedback)
+        for g in factors.groups.values():
+            if g.sends[self.phase] == "p":
+                torch.bmm(g.qt_memory, g.matrices.transpose(1, 2), out=g.pt)  # Pᵀ = Q̂ᵀ·Mᵀ
+                if self.error_feedback:
+                    g.matrices.baddbmm_(g.p_batch, g.qt_memory, alpha=-1)  # e = M − P_w·Q̂ᵀ
+            else:
+                torch.bmm(g.pt_memory, g.matrices, out=g.qt_local)  # Q_wᵀ = P̂ᵀ·M
+                if self.error_feedback:
+                    g.matrices.baddbmm_(g.pt_memory.transpose(1, 2), g.qt_local, alpha=-1)
+
     def send_buffers(self, factors: Factors) -> list[torch.Tensor]:
         """The part of the P and/or Q buffer this step sends (empty parts left out)."""
         for g in factors.groups.values():
@@ -397,6 +440,11 @@ class Alternating(_Schedule):
     def settle(self, factors: Factors, finite: torch.Tensor) -> torch.Tensor:
         if self.error_feedback:
             factors.drop_non_finite_error(finite)
+        return finite
+
+    def settle_joint(self, joint: JointFactors, finite: torch.Tensor) -> torch.Tensor:
+        if self.error_feedback:
+            _drop_non_finite_errors(joint, finite)
         return finite
 
 
@@ -486,6 +534,7 @@ class PowerSGDCompressor:
             if key in self._keyed:
                 self._by_bucket.setdefault(key[0], []).append(self._keyed[key])
         self._joint = JointStep(self.factors, self.schedule.rounds)
+        self._bucketed = [(b, f) for b, factors in self._by_bucket.items() for f in factors]
 
     def set_ranks(self, ranks: Mapping[object, int]) -> dict[str, torch.Tensor]:
         """Send each bucket of `ranks` at its new rank (0: as it is) from the next step on.
@@ -625,6 +674,12 @@ class PowerSGDCompressor:
         """This parameter's part of the step that needs only its gradient (None: zero)."""
         self.schedule.compress(*self._where[name], grad)
 
+    def compress_bucket(self, bucket, grads: Mapping) -> None:
+        """`compress` of every compressed matrix of `bucket` at once (name -> its gradient,
+        every one): a few launches a bucket on a GPU, not a few a matrix."""
+        for factors in self.of(bucket):
+            self.schedule.compress_all(factors, grads)
+
     def send_buffers(self, bucket=None) -> list[torch.Tensor]:
         """The flat buffers of the step's first (rounds=1: only) round, to sum in place."""
         return [t for factors in self.of(bucket) for t in self.schedule.send_buffers(factors)]
@@ -658,9 +713,10 @@ class PowerSGDCompressor:
             bucket: the caller's bucket they belong to (None: all).
         """
         grads, received = {}, iter(avgs)
-        if bucket is None and self._joint.projected:  # rounds=2, every bucket's at once
-            received = dict(zip(map(id, self.factors), received))
-            self._joint.decompress(self.schedule, received, out or {}, grads)
+        if bucket is None and self._joint.whole:  # every bucket's at once
+            kinds = self.schedule.kinds
+            mine = {id(f): [next(received) for _ in kinds(f)] for f in self.factors}
+            self._joint.decompress(self.schedule, mine, out or {}, grads)
             return grads
         for factors in self.of(bucket):
             self.schedule.decompress(factors, received, out or {}, grads)
@@ -668,13 +724,14 @@ class PowerSGDCompressor:
 
     def decompress_all(self, avgs: Mapping, out=None) -> dict[str, torch.Tensor]:
         """`decompress` of several buckets, bucket -> its averaged buffers; every bucket's at
-        once where they are all (rounds=2)."""
+        once where they are all (`JointStep.whole`)."""
         grads = {}
-        if not (self._joint.projected and set(avgs) >= set(self._by_bucket)):
+        if not (self._joint.whole and set(avgs) >= set(self._by_bucket)):
             for b, a in avgs.items():
                 grads.update(self.decompress(list(a), out, b))
             return grads
-        received = {id(f): t for b, ts in avgs.items() for f, t in zip(self.of(b), ts)}
+        tensors, kinds = {b: iter(a) for b, a in avgs.items()}, self.schedule.kinds
+        received = {id(f): [next(tensors[b]) for _ in kinds(f)] for b, f in self._bucketed}
         self._joint.decompress(self.schedule, received, out or {}, grads)
         return grads
 
@@ -889,12 +946,21 @@ class JointStep:
                         memories, draws = zip(*(f.partner_flats[side] for f in owners))
                         joins.append(Concatenation(list(memories), list(draws), groups, side))
                 self.partners[phase].append((owners, joins))
+        # Per device and dtype, every bucket's checks at once; rounds=2, the projections.
+        self.joints = [JointFactors(owners, _sent) for owners in kinds.values()]
         self.projections = []  # rounds=2: (JointFactors, concatenation)
-        for owners in kinds.values() if rounds == 2 else ():
-            groups = [list(f.groups.values()) for f in owners]
-            joined = Concatenation([f.p for f in owners], None, groups, "p")
-            self.projections.append((JointFactors(owners), joined))
+        for joint in self.joints if rounds == 2 else ():
+            groups = [list(f.groups.values()) for f in joint.owners]
+            joined = Concatenation([f.p for f in joint.owners], None, groups, "p")
+            self.projections.append((joint, joined))
+        self.rounds = rounds
         self.projected = False  # this step's P were projected here (not bucket by bucket)
+
+    @property
+    def whole(self) -> bool:
+        """Whether the step may be decompressed here, every bucket at once (rounds=2: its
+        P were projected here)."""
+        return self.rounds == 1 or self.projected
 
     def project(self, schedule: TwoRounds, p_sums: dict) -> dict:
         """id(factors) -> its Q buffer, from id(factors) -> its summed P, of every bucket."""
@@ -909,11 +975,19 @@ class JointStep:
         for joint, _ in self.projections:
             schedule.update_error_joint(joint)
 
-    def decompress(self, schedule: TwoRounds, received: dict, out: dict, grads: dict) -> None:
-        """Every bucket's gradients from id(factors) -> its averaged Q buffer."""
-        for joint, _ in self.projections:
+    def decompress(self, schedule: _Schedule, received: dict, out: dict, grads: dict) -> None:
+        """Every bucket's gradients from id(factors) -> its averaged buffers (a list)."""
+        for joint in self.joints:
             mine = [received[id(f)] for f in joint.owners]
             schedule.decompress_joint(joint, mine, out, grads)
+
+
+def _sent(factors: Factors, phase: int, kind: str) -> int:
+    """Elements of its `kind` buffer a bucket sends on steps of parity `phase` (rounds=2:
+    its P, then its Q, every step; rounds=1: a prefix of one or both)."""
+    if factors.p_memory is None:  # rounds=2: the Q round is the one decompressed
+        return factors.q_memory.numel() if kind == "q" else 0
+    return (factors.p_sent if kind == "p" else factors.q_sent)[phase]
 
 
 def local_step(
@@ -950,8 +1024,7 @@ def local_step(
         for f in factors:
             schedule.begin_step([f], f.partners[schedule.phase])
         mark("partners")
-    for name in names:
-        compressor.compress(name, grads[name])
+    compressor.compress_bucket(bucket, grads)
     sent = compressor.send_buffers(bucket)
     mark("compress")
     if schedule.rounds == 2:

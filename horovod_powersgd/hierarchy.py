@@ -346,8 +346,9 @@ class HierarchicalReducer(Reducer):
             p: v for pack, rows in zip(bucket.packs, sections) for p, v in pack.views(rows, share)
         }
         bucket.share_views = mine
-        for p in bucket.compressed:
-            self.compressor.compress(self.names[p], mine[p])
+        self.compressor.compress_bucket(
+            bucket.index, {self.names[p]: mine[p] for p in bucket.compressed}
+        )
         if self.monitor is not None and bucket.compressed:
             self.monitor.bucket_ready(
                 bucket.index, bucket.names, [mine[p] for p in bucket.compressed]

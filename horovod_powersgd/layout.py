@@ -418,36 +418,44 @@ class Factors:
 class JointFactors:
     """Several buckets' `Factors` of one device and dtype (`owners`), for the checks a step
     makes on all of them at once: which matrices are finite, in a few operations on a
-    concatenation of their buffers, not a few per bucket."""
+    concatenation of their buffers, not a few per bucket.
 
-    def __init__(self, owners: list[Factors]):
+    `sent(factors, phase, kind)`: how many elements of its `kind` ("p", "q") buffer a
+    bucket sends on steps of that parity (a prefix); per (phase, kind) sent by any,
+    `wire` holds the senders (owner index, elements), which matrix each element of
+    their concatenation is, and scratch for it and for the memories it updates.
+    """
+
+    def __init__(self, owners: list[Factors], sent):
         self.owners = owners
         firsts = [0]
         for f in owners:
             firsts.append(firsts[-1] + f.matrix_count)
         self.spans = list(zip(firsts, firsts[1:]))
         self.count = firsts[-1]
-        # Which matrix (of all owners') each element of the concatenated P or Q buffers is.
-        self.ids = {
-            kind: torch.cat([f.matrix_ids[kind] + first for f, first in zip(owners, firsts)])
-            for kind in ("p", "q")
-        }
+        # Which matrix (of all owners') each element of the concatenated P buffers is.
+        self.p_ids = torch.cat([f.p_matrix + first for f, first in zip(owners, firsts)])
         self.all_finite = owners[0].all_finite.new_ones(self.count)
         self.p_finite = self.all_finite  # rounds=2: of this step's summed P
-        # rounds=2: the received Q buffers concatenated, and the Q memories (scratch).
-        self.sizes = [f.q_memory.numel() for f in owners]
-        self.received = owners[0].q_memory.new_empty(sum(self.sizes))
-        self.memory = torch.empty_like(self.received)
+        self.wire = {}
+        for phase, kind in ((0, "p"), (0, "q"), (1, "p"), (1, "q")):
+            parts = [(i, sent(f, phase, kind)) for i, f in enumerate(owners)]
+            parts = [(i, n) for i, n in parts if n]
+            if parts:
+                ids = [owners[i].matrix_ids[kind][:n] + firsts[i] for i, n in parts]
+                scratch = owners[0].p.new_empty(sum(n for _, n in parts))
+                self.wire[phase, kind] = (parts, torch.cat(ids), scratch, torch.empty_like(scratch))
 
-    def finite(self, buffer: torch.Tensor, kind: str) -> torch.Tensor:
-        """(K,) bool over every owner's matrices: whether each is finite in `buffer`, the
-        owners' `kind` ("p" or "q") buffers concatenated (`all_finite` itself where the
-        host can see that all are)."""
+    def finite(self, parts) -> torch.Tensor:
+        """(K,) bool over every owner's matrices: whether each is finite in `parts`, (tensor,
+        its elements' matrix ids) pairs (`all_finite` itself where the host sees that all
+        are)."""
         f = self.owners[0]
-        if f.device.type in HOST_READS_FREE and math.isfinite(float(buffer.sum())):
+        if f.device.type in HOST_READS_FREE and all(math.isfinite(t.sum()) for t, _ in parts):
             return self.all_finite
         sums = torch.zeros(self.count, dtype=f.dtype, device=f.device)
-        sums.index_add_(0, self.ids[kind], buffer)
+        for tensor, ids in parts:
+            sums.index_add_(0, ids, tensor)
         return (sums - sums) == 0  # NaN wherever the sum is not finite
 
     def split(self, flags: torch.Tensor) -> list[torch.Tensor]:

@@ -6,16 +6,18 @@ One step, in the order it runs (rounds=2; docs/architecture.md lists each functi
       optimizer._begin_step()       at the step's first hook: agreement.Agreement.begin_step,
                                     state.begin_step -> reducer.begin ->
                                     compressor.begin_step (Q̂ = orth(Q memory))
-      reducer.ready(p)              compressor.compress (M = grad + e, P = M·Q̂), the
-                                    statistics' gradient norm; once p's bucket is complete,
-                                    its first round leaves (reducer._launch: P and the
-                                    uncompressed gradients, one grouped all-reduce)
+      reducer.ready(p)              once p's bucket is complete, reducer._launch:
+                                    compressor.compress_bucket (M = grad + e, P = M·Q̂ for
+                                    all its matrices at once), then its first round leaves
+                                    (P and the uncompressed gradients, one grouped
+                                    all-reduce)
     optimizer.step()
       optimizer.synchronize()       reducer.finish: every P back (one wait each, one round
                                     trip); all projected at once and the Q round of all
                                     buckets (reducer._q_round: compressor.project_all,
-                                    compressor.update_error, one grouped all-reduce, one
-                                    wait); then compressor.decompress
+                                    one grouped all-reduce, compressor.update_error while
+                                    it runs, one wait); the statistics' gradient norms;
+                                    then compressor.decompress_all
                                     into p.grad (grad = P̂·Q_avgᵀ); the step counter;
                                     monitor.end_step
       the wrapped optimizer's step  on the aggregated gradients

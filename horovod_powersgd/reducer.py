@@ -8,12 +8,14 @@ those of a `comm.Comm`. A step, as the optimizer drives it:
 
     begin(done)                # a new step: PowerSGD after `done` >= 0 compressed
                                # steps, else a plain all-reduce (warm-up)
-    ready(p)                   # p.grad is final: compress it; once its bucket is
-                               # complete, the bucket's first round leaves
+    ready(p)                   # p.grad is final; once its bucket is complete, the
+                               # bucket is compressed (all its matrices at once) and
+                               # its first round leaves
     finish()                   # the rest: every first round back (one round trip:
                                # all left during backward); rounds=2 then every
-                               # bucket's Q in one grouped all-reduce, one wait;
-                               # p.grad holds the aggregates
+                               # bucket's P projected at once and every Q in one
+                               # grouped all-reduce, one wait; p.grad holds the
+                               # aggregates
 
 How a bucket's gradients travel is decided per bucket: `Bucket.compressed`
 (sent as P and Q) and `Bucket.uncompressed` (sent as they are, in the step's
@@ -124,10 +126,8 @@ class Reducer:
             self.compressor.begin_step(self.comm.size, done)
 
     def ready(self, p: torch.Tensor) -> None:
-        """`p.grad` is final for this step: compress it, and send its bucket once complete."""
+        """`p.grad` is final for this step: once its bucket is complete, compress and send it."""
         bucket = self._bucket_of[p]
-        if self.compressing and p in self._compressed:
-            self.compressor.compress(self.names[p], p.grad)  # layer by layer during backward
         self.done.add(p)
         bucket.ready += 1
         if bucket.ready == len(bucket.params) and bucket.dense:  # else all sent elsewhere
@@ -188,9 +188,11 @@ class Reducer:
             if p.grad is None:
                 # Unused on this rank; another rank may have a gradient, so send zeros.
                 p.grad = torch.zeros_like(p)
-        monitor = self.monitor if self.compressing and not self.two_rounds else None
-        if monitor is not None and bucket.compressed:  # before its factors are summed
-            monitor.residuals(bucket.index)
+        if self.compressing and bucket.compressed:  # M = grad + e; the factor it sends
+            grads = {name: p.grad for name, p in zip(bucket.names, bucket.compressed)}
+            self.compressor.compress_bucket(bucket.index, grads)
+            if self.monitor is not None and not self.two_rounds:  # before they are summed
+                self.monitor.residuals(bucket.index)
         # Warm-up steps, and buckets that rank="auto" sends plain, are plain Horovod
         # (the user's compression); compressed steps send everything else in
         # comm_dtype (where one is set), the uncompressed gradients included.

@@ -636,6 +636,47 @@ def test_a_non_finite_matrix_resets_its_own_state_only_whatever_its_bucket(
                 assert torch.equal(mine, theirs), (name, kind)
 
 
+@pytest.mark.parametrize("error_feedback", [True, False])
+@pytest.mark.parametrize("rounds", [2, 1])
+def test_a_bucket_compressed_at_once_is_each_matrix_compressed_alone(rounds, error_feedback):
+    # The reducer compresses a bucket once all its gradients are in (compress_bucket: one
+    # fused add, one or two batched products a shape group); compress, matrix by matrix,
+    # is the same math. A conv weight's gradient comes in the parameter's shape. Both
+    # phases of rounds=1 (P and Q sent).
+    # Equal to float32's rounding, not bitwise: a batched product rounds apart from a
+    # single one (measured at most 2.7e-6 on entries of order 1; the bound is 1e-5 of
+    # each entry plus 1e-6). Every rank takes the same path, so ranks stay bitwise equal.
+    torch.manual_seed(12)
+    shapes = {"a": (24, 40), "b": (24, 40), "c": (8, 3, 3, 3), "d": (40, 24), "e": (6, 6)}
+    config = PowerSGDConfig(
+        rank=6, rounds=rounds, min_compression_rate=0, error_feedback=error_feedback
+    )
+    named = [(n, torch.zeros(s)) for n, s in shapes.items()]
+    pair = [PowerSGDCompressor(named, config) for _ in range(2)]
+    for done in range(3):
+        grads = {n: torch.randn(s) for n, s in shapes.items()}
+        for c in pair:
+            c.begin_step(workers=1, done=done)
+        pair[0].compress_bucket(None, grads)
+        for name in shapes:
+            pair[1].compress(name, grads[name])
+        for name in shapes:
+            for c in pair:
+                assert c.is_compressed(name)
+            (m0, f0), (m1, f1) = pair[0].step_views(name), pair[1].step_views(name)
+            torch.testing.assert_close(m0, m1, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(f0, f1, rtol=1e-5, atol=1e-6)
+        sums = [c.send_buffers() for c in pair]
+        for mine, theirs in zip(*sums):  # P (rounds=1: the factors sent)
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+        if rounds == 2:
+            sums = [c.project(s) for c, s in zip(pair, sums)]
+            for c in pair:
+                c.update_error()
+        for c, s in zip(pair, sums):
+            c.decompress(s)
+
+
 class _TF32(TorchDispatchMode):
     """Matrix products as CUDA runs them with `allow_tf32`: float32 operands rounded to
     TF32's 10 mantissa bits (to nearest, ties to even), the sum kept in float32."""
