@@ -17,8 +17,11 @@ MPIRUN = mpirun --allow-run-as-root --oversubscribe -np $(NP) --bind-to none --m
 	--mca btl self,tcp,vader --mca mpi_yield_when_idle 1 \
 	-x OMP_NUM_THREADS -x PYTHONUNBUFFERED -x PATH
 # A hung collective must fail the run, never hang CI: pytest-timeout fails a
-# test (per-test limit in pyproject.toml), this cap ends the whole launcher.
+# test (per-test limit in pyproject.toml), this cap ends the whole launcher. The
+# launch tests (whole jobs, two-node grounds) ran 16.7 min on 2026-12-05 and past
+# 20 on 2026-12-06 on the same 2 cores: their cap is 35 min.
 RUN_CAP ?= timeout --signal=KILL 1200
+LAUNCH_CAP ?= timeout --signal=KILL 2100
 
 .PHONY: setup test test-unit test-parallel test-mpi test-gloo test-mpi4py test-launch demo bench bench-overheads bench-auto lint convergence docker-check long-run clean slurm-check gpu-bundle gpu-check
 
@@ -35,7 +38,7 @@ test-parallel: test-mpi test-gloo
 
 # Tests that start whole jobs themselves: killed workers, elastic, restarts.
 test-launch:
-	$(RUN_CAP) $(PY) -m pytest tests/launch -p no:cacheprovider
+	$(LAUNCH_CAP) $(PY) -m pytest tests/launch -p no:cacheprovider --durations=15
 
 # The process-set tests once more with 3 ranks: a set without global rank 0 of 2 ranks.
 test-mpi:
