@@ -18,8 +18,9 @@ MPIRUN = mpirun --allow-run-as-root --oversubscribe -np $(NP) --bind-to none --m
 	-x OMP_NUM_THREADS -x PYTHONUNBUFFERED -x PATH
 # A hung collective must fail the run, never hang CI: pytest-timeout fails a
 # test (per-test limit in pyproject.toml), this cap ends the whole launcher. The
-# launch tests (whole jobs, two-node grounds) ran 16.7 min on 2026-12-05 and past
-# 20 on 2026-12-06 on the same 2 cores: their cap is 35 min.
+# launch tests (whole jobs, two-node grounds) ran 16.7 min on 2026-12-05, past 20 in
+# a clean-clone CI run on 2026-12-06 and 17.5 alone after it, on the same 2 cores:
+# their cap is 35 min.
 RUN_CAP ?= timeout --signal=KILL 1200
 LAUNCH_CAP ?= timeout --signal=KILL 2100
 
