@@ -54,9 +54,7 @@ class Bucket:
         # Round 1's uncompressed gradients: their parameters, and them packed for the wire.
         self.sent, self.packed = [], None
         self.factor_count = 0  # leading tensors of round 1 that are P/Q buffers
-        # Round 1's results once back: the uncompressed, and the factors (P and Q
-        # summed; rounds=2 projects them in `finish`).
-        self.received, self.factors = [], None
+        self.received = []  # round 1's uncompressed results, once back
 
 
 def make_buckets(params: list[torch.Tensor]) -> list[Bucket]:
@@ -157,8 +155,8 @@ class Reducer:
         """Wait for the bucket's first round: its factors lead (returned), its uncompressed
         results follow (kept)."""
         first = self.comm.wait(bucket.handles[0])
-        bucket.received, bucket.factors = first[bucket.factor_count :], first[: bucket.factor_count]
-        return bucket.factors
+        bucket.received = first[bucket.factor_count :]
+        return first[: bucket.factor_count]
 
     def _q_round(self, ps: list) -> list:
         """rounds=2: from every bucket's summed P (`ps`, [] for a bucket without factors:
