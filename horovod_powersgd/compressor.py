@@ -418,7 +418,8 @@ class Alternating(_Schedule):
         """The part of the P and/or Q buffer this step sends (empty parts left out)."""
         for g in factors.groups.values():
             if g.sends[self.phase] == "q":
-                g.qt_comm.copy_(_scaled(g.qt_local, g.q_scale))
+                if factors.q_comm is not factors.q_local:
+                    g.qt_comm.copy_(_scaled(g.qt_local, g.q_scale))
             elif factors.p_comm is not factors.p:
                 g.pt_comm.copy_(_scaled(g.pt, g.p_scale))
         factors.sent, out = [], []

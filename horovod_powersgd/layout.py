@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .linalg import dependence_floor, matrix_shape
+from .linalg import dependence_floor, matrix_shape, method_for
 
 # Device types where reading a tensor on the host costs nothing worth avoiding (no
 # stream to stall): there a step may look at a flag instead of computing both ways.
@@ -239,22 +239,30 @@ class Concatenation:
         torch._foreach_copy_(self.flats, self.parts)
 
 
+# CholeskyQR's batch of up to this many elements (padding included) is not cut: its
+# launches are a fixed ~25 whatever the batch, and padding costs it memory traffic only
+# (32 MB a pass in float64 at the limit, against the ~25 launches a cut adds).
+CHOLESKY_BATCH = 1 << 22
+
+
 def padded_batches(shifted, side: str, joined: Concatenation, draws: bool) -> list[PaddedBatch]:
     """(group, shift) pairs by length (n for side "p", m for "q"), cut where padding would
-    double the work.
+    double the work (CholeskyQR: and the batch would pass `CHOLESKY_BATCH` elements).
 
     Each batch costs a fixed number of operations (kernel launches on a GPU),
-    so the fewer the better; the padded batch's elements, which the QR works
-    through, stay at most twice the groups' own.
+    so the fewer the better; the padded batch's elements, which Householder's
+    QR works through, stay at most twice the groups' own. The cut depends on the
+    shapes and the device type alone: the same on every rank.
     """
     length = (lambda g: g.n) if side == "p" else (lambda g: g.m)
+    generous = method_for(joined.buffer.device) == "cholesky"
     batches, current, own = [], [], 0
     for g, shift in sorted(shifted, key=lambda pair: length(pair[0])):  # stable: same everywhere
         size = g.count * g.rank * length(g)
         if current:
             count = sum(c.count for c, _ in current) + g.count
             padded = count * max(g.rank, *(c.rank for c, _ in current)) * length(g)
-            if padded > 2 * (own + size):
+            if padded > 2 * (own + size) and not (generous and padded <= CHOLESKY_BATCH):
                 batches.append(current)
                 current, own = [], 0
         current.append((g, shift))
@@ -337,11 +345,13 @@ class Factors:
         self.q_local = flat(q_sizes, self.dtype)
         self.q_memory = flat(q_sizes, self.dtype)
         self.p_memory = flat(p_sizes, self.dtype) if p_memory else None
-        # P is summed in place, so it may share storage with its compute copy;
-        # Q_w must survive its collective (the error update needs it): own buffer.
+        # P is summed in place, so it may share storage with its compute copy; so may
+        # rounds=1's Q_w (its error is updated before it leaves). rounds=2's Q_w must
+        # survive its collective (the error update overlaps it): own buffer.
         separate = self.comm_dtype != self.dtype
         self.p_comm = flat(p_sizes, self.comm_dtype) if separate else self.p
-        self.q_comm = flat(q_sizes, self.comm_dtype)
+        in_place = p_memory and not separate
+        self.q_comm = self.q_local if in_place else flat(q_sizes, self.comm_dtype)
         offset = 0
         for g, size in zip(p_order, p_sizes):
             g.p_offset = offset

@@ -41,11 +41,26 @@ def _peak_scaled_(matrices: torch.Tensor, dim: int) -> torch.Tensor:
     return matrices.div_(peak.clamp_(min=torch.finfo(matrices.dtype).tiny))
 
 
-# How `orthogonalize_` works: "householder" (the default) or "cholesky" (see there).
-# The optimizer sets it from HOROVOD_POWERSGD_ORTHOGONALIZE once every rank has the same.
+# How `orthogonalize_` works: "householder" or "cholesky" (see there), or "auto" (the
+# default): Householder on the CPU, CholeskyQR on an accelerator (`method_for`). The
+# optimizer sets it from HOROVOD_POWERSGD_ORTHOGONALIZE once every rank has the same.
 METHOD_ENV = "HOROVOD_POWERSGD_ORTHOGONALIZE"
 METHODS = ("householder", "cholesky")
-METHOD = "householder"
+SETTINGS = ("auto", *METHODS)
+METHOD = "auto"
+
+
+def method_for(device: torch.device) -> str:
+    """The orthogonalisation `orthogonalize_` uses for matrices on `device` (`METHOD`,
+    "auto" resolved by `default_method`)."""
+    return default_method(device) if METHOD == "auto" else METHOD
+
+
+def default_method(device: torch.device) -> str:
+    """ "auto"'s method on `device`: LAPACK's Householder loop is fast on the CPU, while
+    on CUDA it is a cuSOLVER call per matrix and CholeskyQR a fixed set of batched
+    launches (docs/gpu.md)."""
+    return "householder" if device.type == "cpu" else "cholesky"
 
 
 def method_setting() -> str | None:
@@ -56,9 +71,9 @@ def method_setting() -> str | None:
 def parse_method(text: str | None) -> str:
     """The method `text` names (None: the default), or ValueError naming the variable."""
     if text is None:
-        return "householder"
-    if text not in METHODS:
-        raise ValueError(f"{METHOD_ENV}={text!r}: expected one of {', '.join(METHODS)}")
+        return "auto"
+    if text not in SETTINGS:
+        raise ValueError(f"{METHOD_ENV}={text!r}: expected one of {', '.join(SETTINGS)}")
     return text
 
 
@@ -103,14 +118,15 @@ def orthogonalize_(matrices: torch.Tensor, floor=None) -> torch.Tensor:
     space the gradient lives in.
 
     Two methods, the same guarantees (tests/unit/test_compressor.py holds
-    both), chosen by `METHOD`: a batched Householder QR (`torch.linalg.qr`: one
-    op, LAPACK's loop inside on the CPU; on CUDA a cuSOLVER `orgqr` call per
-    matrix, and a `geqrf` per matrix too past n = 256), the default; or a
-    batched shifted CholeskyQR3 in float64 (`_cholesky_qr_`), a fixed set of
-    batched products, Cholesky factorisations and triangular solves whatever
-    the batch, more ops a call (about 25 against 15) but none per matrix.
-    Which is faster on a GPU is for a GPU run to say (docs/gpu.md); until then
-    HOROVOD_POWERSGD_ORTHOGONALIZE=cholesky chooses it, the same on every rank.
+    both), chosen by `method_for` the batch's device: a batched Householder QR
+    (`torch.linalg.qr`: one op, LAPACK's loop inside on the CPU; on CUDA a
+    cuSOLVER `orgqr` call per matrix, and a `geqrf` per matrix too past n =
+    256), the default on the CPU; or a batched shifted CholeskyQR3 in float64
+    (`_cholesky_qr_`), a fixed set of batched products, Cholesky
+    factorisations and triangular solves whatever the batch, more ops a call
+    (about 25 against 15) but none per matrix, the default elsewhere
+    (docs/gpu.md). HOROVOD_POWERSGD_ORTHOGONALIZE=householder or cholesky
+    chooses one everywhere, the same on every rank.
 
     Example:
         >>> p = torch.randn(3, 10, 2)
@@ -119,7 +135,8 @@ def orthogonalize_(matrices: torch.Tensor, floor=None) -> torch.Tensor:
         True
     """
     floor = DEPENDENT * torch.finfo(matrices.dtype).eps if floor is None else floor
-    return (_cholesky_qr_ if METHOD == "cholesky" else _householder_qr_)(matrices, floor)
+    method = method_for(matrices.device)
+    return (_cholesky_qr_ if method == "cholesky" else _householder_qr_)(matrices, floor)
 
 
 def _householder_qr_(matrices: torch.Tensor, floor) -> torch.Tensor:

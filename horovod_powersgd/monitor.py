@@ -283,7 +283,7 @@ class LayerMonitor:
         """
         self.gradients(names, grads)
         if self.compressor.config.rounds == 1:
-            self._note_residuals(bucket)
+            self._note_residuals(bucket, errors=False)
 
     def gradients(self, names: list[str], grads: list[torch.Tensor]) -> None:
         """Note the local gradients of compressed layers (one fused norm): any time between
@@ -291,9 +291,10 @@ class LayerMonitor:
         self._norms[0].index_copy_(0, self._indices(names), _norms(grads))
 
     def residuals(self, bucket) -> None:
-        """rounds=1: note a bucket's residuals and factors, before its factors are summed in
-        place (`bucket_ready` with `gradients` apart)."""
-        self._note_residuals(bucket)
+        """rounds=1: note a bucket's factors before they are summed in place (`bucket_ready`
+        with `gradients` apart); its residuals wait in the error buffers until the step's
+        end, where every bucket's are noted at once."""
+        self._note_residuals(bucket, errors=False)
 
     def compressed(self, name: str, grad: torch.Tensor | None) -> None:
         """One layer's `bucket_ready` (rounds=1: residuals of its whole bucket)."""
@@ -301,12 +302,14 @@ class LayerMonitor:
         bucket = self.compressor.bucket_of(name)
         self.bucket_ready(bucket, [name], [grad])
 
-    def _note_residuals(self, bucket=None) -> None:
-        """‖e‖ and ‖F‖ of every matrix of `bucket` (None: all), in two fused operations."""
+    def _note_residuals(self, bucket=None, errors: bool = True, factors: bool = True) -> None:
+        """‖e‖ and ‖F‖ of every matrix of `bucket` (None: all), each in one fused operation."""
         views = list(self.compressor.group_views(bucket))  # never empty where it is called
         index = self._indices([name for names, _, _ in views for name in names])
-        self._norms[1].index_copy_(0, index, _norms([e for _, es, _ in views for e in es]))
-        self._norms[2].index_copy_(0, index, _norms([f for _, _, fs in views for f in fs]))
+        if errors:
+            self._norms[1].index_copy_(0, index, _norms([e for _, es, _ in views for e in es]))
+        if factors:
+            self._norms[2].index_copy_(0, index, _norms([f for _, _, fs in views for f in fs]))
 
     def end_step(self, step: int, compressed: bool, totals: Callable[[], dict]) -> None:
         """Fold a finished step in; at checks agree, detect and warn; log when due.
@@ -317,8 +320,10 @@ class LayerMonitor:
             totals: the optimizer's `compression_stats` (for the log line).
         """
         if compressed and self.names:
-            if self.compressor.config.rounds == 2 and self.own:  # hierarchical: a share may
-                self._note_residuals()  # compress nothing
+            if self.own:  # (hierarchical: a share may compress nothing) rounds=1 noted the
+                # factors before they were summed in place; the residuals are in the error
+                # buffers until the next step: every bucket's in one fused norm
+                self._note_residuals(factors=self.compressor.config.rounds == 2)
             self._fold()
             if step % CHECK_EVERY == 0:
                 self._check(step)

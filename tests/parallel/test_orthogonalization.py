@@ -12,6 +12,7 @@ import pytest
 import test_checkpoint as checkpoint
 import test_optimizer as contract
 import test_transformer as transformer
+import torch
 from helpers import make_model, powersgd
 
 from horovod_powersgd import linalg
@@ -59,4 +60,9 @@ def test_the_setting_differing_across_ranks_fails_on_every_rank(monkeypatch):
         powersgd(make_model(), rank=2)
     monkeypatch.delenv(linalg.METHOD_ENV)
     powersgd(make_model(), rank=2)
-    assert linalg.METHOD == "householder"  # unset: the default
+    assert linalg.METHOD == "auto"  # unset: the default, by device
+    assert linalg.method_for(torch.device("cpu")) == "householder"
+    assert linalg.method_for(torch.device("cuda")) == "cholesky"  # no launch per matrix
+    monkeypatch.setenv(linalg.METHOD_ENV, "householder")  # chosen: on every device
+    powersgd(make_model(), rank=2)
+    assert linalg.method_for(torch.device("cuda")) == "householder"

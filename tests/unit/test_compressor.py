@@ -585,6 +585,22 @@ def test_buckets_orthogonalised_together_give_what_each_bucket_gives_alone(round
                 torch.testing.assert_close(outs[0][name], single[0][name], rtol=1e-4, atol=1e-4)
 
 
+def test_cholesky_batches_lengths_apart_householder_cuts_where_padding_doubles(method, monkeypatch):
+    # A batch costs each method a fixed set of launches; padding costs Householder's
+    # QR its work (cut where it would double), CholeskyQR only memory traffic (one
+    # batch up to layout.CHOLESKY_BATCH elements). On Q's side, 16 matrices of length
+    # 10, 4 of 300 and one of 5000, at rank 2.
+    def q_batches():
+        lengths = [10] * 16 + [300] * 4 + [5000]
+        named = [(f"w{i}", torch.zeros(16, m)) for i, m in enumerate(lengths)]
+        c = PowerSGDCompressor(named, PowerSGDConfig(rank=2, min_compression_rate=0))
+        return [len(b.groups) for j in c._joint.partners[0][0][1] for b in j.batches]
+
+    assert q_batches() == ([3] if method == "cholesky" else [1, 1, 1])
+    monkeypatch.setattr(layout, "CHOLESKY_BATCH", 20 * 2 * 300)  # the first 20, padded
+    assert q_batches() == ([2, 1] if method == "cholesky" else [1, 1, 1])
+
+
 @pytest.mark.parametrize("host_reads", [True, False], ids=["cpu-path", "accelerator-path"])
 @pytest.mark.parametrize("rounds", [2, 1])
 def test_a_non_finite_matrix_resets_its_own_state_only_whatever_its_bucket(

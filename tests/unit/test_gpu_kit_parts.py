@@ -90,3 +90,8 @@ def test_report_judges_the_target_only_on_a_gpu():
     assert "bf16: rank 4 local work with statistics 7.5 % of forward+backward, hook 4.00 ms: " \
         "misses the target" in gpu  # fmt: skip
     assert "not judged (CPU)" in " ".join(gpu_check._verdict(model, cuda=False))
+    # Judged on CholeskyQR's rows where there are some: the method a GPU uses by default.
+    model["local_work"]["rank 4, rounds=2, cholesky"] = {"with_statistics_ms": 5.0}
+    assert "fp32: rank 4 local work with statistics 5.0 %" in " ".join(
+        gpu_check._verdict(model, cuda=True)
+    )
