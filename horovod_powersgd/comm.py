@@ -101,8 +101,25 @@ _set_size = _translated(hvd.ProcessSet, "size")
 _set_rank = _translated(hvd.ProcessSet, "rank")
 
 
+class _Done:
+    """The handle of an every-step collective over a set of one rank: complete at once,
+    its result the input (`Comm.alone`)."""
+
+    __slots__ = ("result",)
+
+    def __init__(self, result):
+        self.result = result
+
+
+def poll(handle) -> bool:
+    """hvd.poll(handle); True at once for a set of one rank's (`_Done`)."""
+    return isinstance(handle, _Done) or hvd.poll(handle)
+
+
 def wait(handle):
     """hvd.synchronize(handle), without keeping a core busy while it is pending."""
+    if isinstance(handle, _Done):
+        return handle.result
     while not hvd.poll(handle):
         time.sleep(_POLL_INTERVAL_S)
     return hvd.synchronize(handle)
@@ -223,6 +240,14 @@ class Comm:
     def set_rank(self) -> int:
         return _set_rank(self.process_set)
 
+    @property
+    def alone(self) -> bool:
+        """Whether the set has one rank. Its every-step collectives then make no Horovod
+        request: the sum over one rank is the tensor itself (scaled as Horovod scales
+        it), so a step waits for nothing, as Horovod's own optimizer at size 1 (which
+        registers no hooks). Counted as sent all the same (what a step hands over)."""
+        return self.size == 1
+
     def included(self) -> bool:
         return self.process_set.included()
 
@@ -237,6 +262,11 @@ class Comm:
     def allreduce_async(self, tensors: list[torch.Tensor], name: str):
         """One grouped all-reduce of `tensors` in place (op, scaling as set), counted."""
         self._count(tensors)
+        if self.alone:
+            for key in ("prescale_factor", "postscale_factor"):
+                if self._reduce.get(key, 1.0) != 1.0:
+                    torch._foreach_mul_(tensors, self._reduce[key])
+            return _Done(list(tensors))
         return _grouped_allreduce_async_(tensors, name=f"{self.name}.{name}", **self._reduce)
 
     def _count(self, tensors: list[torch.Tensor]) -> None:
@@ -246,6 +276,8 @@ class Comm:
     def sum_async(self, tensors: list[torch.Tensor], name: str):
         """One grouped all-reduce of `tensors` in place, summed (whatever `op`), counted."""
         self._count(tensors)
+        if self.alone:
+            return _Done(list(tensors))
         return _grouped_allreduce_async_(
             tensors, name=f"{self.name}.{name}", op=hvd.Sum, process_set=self.process_set
         )
@@ -279,9 +311,10 @@ class Comm:
         self.bytes_sent += indices.numel() * 8 + values.numel() * values.element_size()
         name = f"{self.name}.{name}"
         handles = [
+            _Done(t) if self.alone else
             _allgather_async(t, name=f"{name}.{part}", process_set=self.process_set)
             for part, t in (("values", values), ("indices", indices))
-        ]
+        ]  # fmt: skip
         size, average = self.size, self.op == hvd.Average
 
         def result() -> torch.Tensor:
@@ -293,7 +326,7 @@ class Comm:
 
         return result
 
-    poll = staticmethod(hvd.poll)
+    poll = staticmethod(poll)
     wait = staticmethod(wait)
 
     def to_wire(self, grad: torch.Tensor, comm_dtype: torch.dtype | None):

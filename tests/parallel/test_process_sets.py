@@ -130,3 +130,37 @@ def test_a_process_set_gone_mid_training_raises_horovods_internal_error():
         # A collective of the step's own, enqueued after the set is gone: the same.
         with pytest.raises(hvd.HorovodInternalError, match="does not exist"):
             opt.powersgd_state.comm.allreduce_async([torch.zeros(4)], "gone")
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("rounds", [2, 1])
+def test_a_set_of_one_rank_steps_without_horovod_requests_as_horovod_would(
+    upper, monkeypatch, rounds
+):
+    # The set {1} at 2 processes. The sum over one rank is the tensor itself, so its
+    # every-step collectives are done at once (as Horovod's own optimizer at size 1
+    # waits for nothing): no request, and the step Horovod's one-rank all-reduces give,
+    # bit for bit, warm-up steps and compressed ones (start_iter=2, 5 steps).
+    if not upper.included():
+        return
+    from horovod_powersgd import comm
+
+    assert comm.Comm(upper).alone  # the set's own size says so
+    real = comm._grouped_allreduce_async_
+    runs = []
+    for alone in (False, True):
+        monkeypatch.setattr(comm.Comm, "alone", property(lambda self, on=alone: on))
+        requests = []
+
+        def counted(*args, requests=requests, **kwargs):
+            requests.append(kwargs["name"])
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(comm, "_grouped_allreduce_async_", counted)
+        model = make_model()
+        train(model, powersgd(model, upper, rank=2, rounds=rounds, start_iter=2), steps=5)
+        runs.append((model, requests))
+    (through_horovod, requests), (alone, none) = runs
+    assert requests and not none, (len(requests), none)
+    for (name, p), q in zip(through_horovod.named_parameters(), alone.parameters()):
+        assert torch.equal(p, q), name
