@@ -810,7 +810,7 @@ class Report(list):
                 f'drift_check_every={every}, statistics every 10 steps. Sync debug mode "error" ',
                 f"on step {config['error_mode_step']}: {config['error_mode']}. Host waits for ",
                 f"collectives per step: {waits} (by design: Horovod returns a collective's result ",
-                "to the host).",
+                "to the host; on 1 rank none, as a set of one rank makes no request).",
             )
             rows = []
             for source, key in (("counted", "counted"), ("sync debug", "cuda_sync_debug")):
