@@ -897,8 +897,9 @@ class PowerSGDCompressor:
         Q_w = Mᵀ·P̂; rounds=1: Q_w or P_w = M·Q̂), so M − (its product with the
         partner) is the residual and ‖M‖² = ‖residual‖² + ‖factor‖². The buffer
         holds that residual once it is computed (with error feedback), else M.
-        Valid for rounds=1 right after `compress(name)` (P is then summed in
-        place), for rounds=2 from `update_error` until the next `begin_step`.
+        Valid for rounds=1 right after `compress(name)` (the factor is then summed
+        in place; the error buffer holds until the next `begin_step`), for rounds=2
+        from `update_error` until the next `begin_step`.
         """
         group, i = self._where[name]
         factor = group.qt_local[i] if self.schedule.sends(group) == "q" else group.pt[i]

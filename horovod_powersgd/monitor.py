@@ -297,7 +297,7 @@ class LayerMonitor:
         self._note_residuals(bucket, errors=False)
 
     def compressed(self, name: str, grad: torch.Tensor | None) -> None:
-        """One layer's `bucket_ready` (rounds=1: residuals of its whole bucket)."""
+        """One layer's `bucket_ready` (rounds=1: the factors of its whole bucket)."""
         grad = torch.zeros((), device=self._norms.device) if grad is None else grad
         bucket = self.compressor.bucket_of(name)
         self.bucket_ready(bucket, [name], [grad])
