@@ -45,9 +45,11 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Mapping
+from functools import partial
 
 import torch
 
+from . import graphs
 from .config import PowerSGDConfig
 from .layout import Concatenation, Factors, JointFactors, PaddedBatch, ShapeGroup
 from .linalg import compute_dtype, matrix_shape, orthogonalize_, wire_scale
@@ -126,8 +128,10 @@ class _Schedule:
         against it. That bound sets the scale ((k, 1, 1) per group).
         """
         scales = batch.split(wire_scale(norms.amax(dim=1, keepdim=True), self.workers))
+        kind = "p" if batch.side == "q" else "q"
         for g, scale in zip(batch.groups, scales):
-            setattr(g, "p_scale" if batch.side == "q" else "q_scale", self.partner_scale(g, scale))
+            scale = self.partner_scale(g, scale)
+            setattr(g, kind + "_scale", None if scale is None else g.scales[kind].copy_(scale))
 
     def _unscale(self, factors: Factors, flat: dict) -> None:
         """float16 wire: divide the powers of two out of the received factors, exactly."""
@@ -258,17 +262,18 @@ class TwoRounds(_Schedule):
         _accumulate(group, i, grad, self.error_feedback)
         torch.mm(rows["qt_memory"][i], rows["matrices_t"][i], out=rows["pt"][i])
 
-    def compress_all(self, factors: Factors, grads: Mapping) -> None:
-        """`compress` of every matrix of `factors`: one fused add, one product a group."""
-        _accumulate_all(factors, grads, self.error_feedback)
-        for g in factors.groups.values():
+    def products(self, factors: list[Factors]) -> None:
+        """`compress` of every matrix of `factors` once M holds grad + e: one product a group."""
+        for g in (g for f in factors for g in f.groups.values()):
             torch.bmm(g.qt_memory, g.matrices.transpose(1, 2), out=g.pt)
 
+    def wire(self, factors: list[Factors]) -> None:
+        """The factors this step sends, into the comm buffers (a wire dtype of their own)."""
+        for g in (g for f in factors for g in f.groups.values()):
+            g.pt_comm.copy_(_scaled(g.pt, g.p_scale))
+
     def send_buffers(self, factors: Factors) -> list[torch.Tensor]:
-        """Step 3: the flat P buffer, to sum in place."""
-        if factors.p_comm is not factors.p:
-            for g in factors.groups.values():
-                g.pt_comm.copy_(_scaled(g.pt, g.p_scale))
+        """Step 3: the flat P buffer, to sum in place (after `wire`)."""
         return [factors.p_comm]
 
     def project(self, factors: Factors, p_sum: torch.Tensor) -> torch.Tensor:
@@ -329,7 +334,7 @@ class TwoRounds(_Schedule):
         for g, g_norms in zip(batch.groups, batch.split(norms)):
             if g.p_scale is not None:
                 g_norms = g_norms / g.p_scale
-            g.q_scale = wire_scale(g_norms, self.workers)
+            g.q_scale = g.scales["q"].copy_(wire_scale(g_norms, self.workers))
 
     def update_error(self, factors: Factors) -> None:
         """Step 6b: e = M − P̂·Q_wᵀ; needs only this worker's Q_w (overlaps its collective)."""
@@ -401,10 +406,10 @@ class Alternating(_Schedule):
             if self.error_feedback:
                 matrix.addmm_(rows["p_memory"][i], rows["qt_local"][i], alpha=-1)  # e = M − P̂·Q_wᵀ
 
-    def compress_all(self, factors: Factors, grads: Mapping) -> None:
-        """`compress` of every matrix of `factors`: one fused add, two products a group."""
-        _accumulate_all(factors, grads, self.error_feedback)
-        for g in factors.groups.values():
+    def products(self, factors: list[Factors]) -> None:
+        """`compress` of every matrix of `factors` once M holds grad + e: two products a
+        group."""
+        for g in (g for f in factors for g in f.groups.values()):
             if g.sends[self.phase] == "p":
                 torch.bmm(g.qt_memory, g.matrices.transpose(1, 2), out=g.pt)  # Pᵀ = Q̂ᵀ·Mᵀ
                 if self.error_feedback:
@@ -414,14 +419,17 @@ class Alternating(_Schedule):
                 if self.error_feedback:
                     g.matrices.baddbmm_(g.pt_memory.transpose(1, 2), g.qt_local, alpha=-1)
 
-    def send_buffers(self, factors: Factors) -> list[torch.Tensor]:
-        """The part of the P and/or Q buffer this step sends (empty parts left out)."""
-        for g in factors.groups.values():
+    def wire(self, factors: list[Factors]) -> None:
+        """The factors this step sends, into the comm buffers (a wire dtype of their own)."""
+        for g in (g for f in factors for g in f.groups.values()):
             if g.sends[self.phase] == "q":
-                if factors.q_comm is not factors.q_local:
-                    g.qt_comm.copy_(_scaled(g.qt_local, g.q_scale))
-            elif factors.p_comm is not factors.p:
+                g.qt_comm.copy_(_scaled(g.qt_local, g.q_scale))
+            else:
                 g.pt_comm.copy_(_scaled(g.pt, g.p_scale))
+
+    def send_buffers(self, factors: Factors) -> list[torch.Tensor]:
+        """The part of the P and/or Q buffer this step sends (after `wire`; empty parts
+        left out)."""
         factors.sent, out = [], []
         for kind, buffer, size in (
             ("p", factors.p_comm, factors.p_sent[self.phase]),
@@ -505,6 +513,12 @@ class PowerSGDCompressor:
                     self._generators[key] = torch.Generator(device=tensor.device)
                     self._generators[key].manual_seed(config.seed + len(self._generators) - 1)
         self._keyed: dict[tuple, Factors] = {}
+        # The step's segments, eager or as captured graphs (graphs.py); the static
+        # outputs a graphed step decompresses into (name -> tensor, as the parameter).
+        device = next((key[1] for key in self._generators), None)
+        self.graphs = graphs.runner_for(config.cuda_graphs, device, self._generators.values())
+        self._outputs: dict[str, torch.Tensor] = {}
+        self._statics = partial(graphs.static_tensors, self)  # what graphs may read
         self._build(set(self.ranks))
 
     def _build(self, buckets: set) -> None:
@@ -536,6 +550,11 @@ class PowerSGDCompressor:
                 self._by_bucket.setdefault(key[0], []).append(self._keyed[key])
         self._joint = JointStep(self.factors, self.schedule.rounds)
         self._bucketed = [(b, f) for b, factors in self._by_bucket.items() for f in factors]
+        self.graphs.drop()
+        # Graphed: static outputs (a graph writes where it was captured), as the parameters.
+        self._outputs = {
+            n: g.matrices.new_empty(self._shapes[n]) for n, (g, _) in self._where.items()
+        } if self.graphs.graphed else {}  # fmt: skip
 
     def set_ranks(self, ranks: Mapping[object, int]) -> dict[str, torch.Tensor]:
         """Send each bucket of `ranks` at its new rank (0: as it is) from the next step on.
@@ -658,18 +677,37 @@ class PowerSGDCompressor:
         """
         schedule = self.schedule
         schedule.workers, schedule.phase, schedule.warm = workers, done % 2, done > 0
-        for owners, joins in self._joint.partners[schedule.phase]:
-            schedule.begin_step(owners, joins)
+        # What the segments' Python decides from: their graphs are kept per this (rounds=2
+        # does the same on steps of either parity).
+        phase = schedule.phase if schedule.rounds == 1 else 0
+        self.graphs.begin((phase, schedule.warm, workers))
+
+        def partners():
+            for owners, joins in self._joint.partners[schedule.phase]:
+                schedule.begin_step(owners, joins)
+
+        self.graphs.run("partners", partners, self._statics)
+
+    def end_step(self) -> None:
+        """The step's last segment ran (its graphs, if captured, are complete)."""
+        self.graphs.end()
 
     def project_all(self, p_sums: Mapping) -> dict:
         """rounds=2: `project` of several buckets, bucket -> its summed P buffers (as
         `project` takes them), every bucket's at once where they are all (`JointStep`);
         returns bucket -> its Q buffers."""
         sums = {id(f): p for b, ps in p_sums.items() for f, p in zip(self.of(b), ps)}
-        if len(sums) != len(self.factors):
-            return {b: self.project(ps, b) for b, ps in p_sums.items()}
-        qs = self._joint.project(self.schedule, sums)
-        return {b: [qs[id(f)] for f in self.of(b)] for b in p_sums}
+        whole = len(sums) == len(self.factors)
+
+        def project():
+            if whole:
+                self._joint.project(self.schedule, sums)
+            for b, ps in {} if whole else p_sums.items():
+                self.project(ps, b)
+
+        self._joint.projected = whole
+        self.graphs.run("project", project, self._statics)
+        return {b: [f.q_comm for f in self.of(b)] for b in p_sums}
 
     def compress(self, name: str, grad: torch.Tensor | None) -> None:
         """This parameter's part of the step that needs only its gradient (None: zero)."""
@@ -678,12 +716,19 @@ class PowerSGDCompressor:
     def compress_bucket(self, bucket, grads: Mapping) -> None:
         """`compress` of every compressed matrix of `bucket` at once (name -> its gradient,
         every one): a few launches a bucket on a GPU, not a few a matrix."""
-        for factors in self.of(bucket):
-            self.schedule.compress_all(factors, grads)
+        factors = self.of(bucket)
+        for f in factors:  # eager: each step's gradients are new tensors
+            _accumulate_all(f, grads, self.schedule.error_feedback)
+        self.graphs.run(
+            ("compress", bucket), partial(self.schedule.products, factors), self._statics
+        )
 
     def send_buffers(self, bucket=None) -> list[torch.Tensor]:
         """The flat buffers of the step's first (rounds=1: only) round, to sum in place."""
-        return [t for factors in self.of(bucket) for t in self.schedule.send_buffers(factors)]
+        factors = self.of(bucket)
+        if any(f.p_comm is not f.p for f in factors):  # a wire dtype of its own: copies
+            self.graphs.run(("wire", bucket), partial(self.schedule.wire, factors), self._statics)
+        return [t for f in factors for t in self.schedule.send_buffers(f)]
 
     def project(self, p_sums: list[torch.Tensor], bucket=None) -> list[torch.Tensor]:
         """rounds=2: the Q buffers to average in place, from the summed P buffers (bucket
@@ -698,7 +743,7 @@ class PowerSGDCompressor:
         """rounds=2: keep what this worker's compression dropped (rounds=1 did in compress);
         bucket None: every bucket's, after `project` of every bucket."""
         if bucket is None and self._joint.projected:
-            self._joint.update_error(self.schedule)
+            self.graphs.run("error", lambda: self._joint.update_error(self.schedule), self._statics)
             return
         for factors in self.of(bucket):
             self.schedule.update_error(factors)
@@ -726,8 +771,18 @@ class PowerSGDCompressor:
     def decompress_all(self, avgs: Mapping, out=None) -> dict[str, torch.Tensor]:
         """`decompress` of several buckets, bucket -> its averaged buffers; every bucket's at
         once where they are all (`JointStep.whole`)."""
+        whole = self._joint.whole and set(avgs) >= set(self._by_bucket)
+        if not self.graphs.graphed:
+            return self._decompress_all(avgs, out, whole)
+        static = {n: self._outputs[n] for b in avgs for f in self.of(b) for n in f.names()}
+        self.graphs.run(
+            "decompress", lambda: self._decompress_all(avgs, static, whole), self._statics
+        )
+        return graphs.copy_out(static, out or {})
+
+    def _decompress_all(self, avgs: Mapping, out, whole: bool) -> dict[str, torch.Tensor]:
         grads = {}
-        if not (self._joint.whole and set(avgs) >= set(self._by_bucket)):
+        if not whole:
             for b, a in avgs.items():
                 grads.update(self.decompress(list(a), out, b))
             return grads
@@ -761,62 +816,9 @@ class PowerSGDCompressor:
         `leaving`: names that loading `state` takes out of PowerSGD (its sparse
         parameters, see `exclude`): the state holds no matrices of theirs.
         """
-        if not isinstance(state, dict):
-            raise ValueError("PowerSGD state must be a dict from state_dict()")
-        tensor_keys = self._tensor_keys() if tensor_keys is None else tensor_keys
-        # A checkpoint of the other schedule has no P memory: it starts fresh.
-        required = [k for k in tensor_keys if k != "p_memory"]
-        for key in (*required, "rng_states"):
-            if key not in state:
-                raise ValueError(
-                    f"PowerSGD state has no '{key}': not a horovod_powersgd checkpoint"
-                )
-        leaving = set(leaving)
-        layout = self.layout(self._saved_ranks(state))
-        layout = {name: shape for name, shape in layout.items() if name not in leaving}
-        for key in tensor_keys:
-            saved = state.get(key)
-            if saved is None:
-                continue
-            if set(saved) != set(layout):
-                missing = sorted(set(layout) - set(saved))
-                extra = sorted(set(saved) - set(layout))
-                raise ValueError(
-                    f"PowerSGD checkpoint does not match this model's compressed parameters "
-                    f"({key}): missing {missing[:5]}, unexpected {extra[:5]}"
-                )
-            for name, tensor in saved.items():
-                n, m, r = layout[name]
-                expected = {"error_buffers": (n, m), "q_memory": (m, r), "p_memory": (n, r)}[key]
-                if tuple(tensor.shape) != expected:
-                    raise ValueError(
-                        f"PowerSGD checkpoint: {key}[{name!r}] has shape {tuple(tensor.shape)}, "
-                        f"this model needs {expected} (a different model or rank?)"
-                    )
-        if len(state["rng_states"]) != len(self._generators):
-            raise ValueError(
-                f"PowerSGD checkpoint has {len(state['rng_states'])} RNG states, "
-                f"this model needs {len(self._generators)}"
-            )
-
-    def _saved_ranks(self, state: dict) -> dict:
-        """The bucket ranks a state was saved with (checkpoints before ranks: today's)."""
-        try:  # [[bucket, rank], ...]
-            ranks = dict(state["ranks"]) if "ranks" in state else dict(self.ranks)
-        except (TypeError, ValueError):
-            ranks = None
-        if ranks is None or set(ranks) != set(self.ranks):
-            raise ValueError(
-                "PowerSGD checkpoint has ranks for other buckets: saved by another model"
-            )
-        allowed = {0, *self.config.ladder()} if self.config.auto else {self.config.rank}
-        bad = {b: r for b, r in ranks.items() if r not in allowed}
-        if bad:
-            raise ValueError(
-                f"PowerSGD checkpoint was saved with bucket ranks {sorted(set(bad.values()))}; "
-                f"this optimizer uses {sorted(allowed)} (rank={self.config.rank!r})"
-            )
-        return ranks
+        _check_state(
+            self, state, self._tensor_keys() if tensor_keys is None else tensor_keys, leaving
+        )
 
     def _state_tensor(self, key: str, name: str) -> torch.Tensor:
         """The live tensor behind `state_dict()[key][name]`."""
@@ -830,7 +832,7 @@ class PowerSGDCompressor:
     def _load(self, state: dict, tensor_keys) -> None:
         """Validate `state` (its `tensor_keys` and RNG states), then copy it in."""
         self.check_state_dict(state, tensor_keys)
-        saved = self._saved_ranks(state)
+        saved = _saved_ranks(self, state)
         if saved != self.ranks:  # rank="auto" resumes the plan it saved
             changed = {b for b, r in saved.items() if self.ranks[b] != r}
             self.ranks.update(saved)
@@ -840,6 +842,7 @@ class PowerSGDCompressor:
                 self._state_tensor(key, name).copy_(tensor)
         for generator, rng in zip(self._generators.values(), state["rng_states"]):
             generator.set_state(rng.cpu() if hasattr(rng, "cpu") else rng)
+        self.graphs.drop()  # captured against the generators' and buffers' old state
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()` output; validates everything before changing anything."""
@@ -915,6 +918,64 @@ class PowerSGDCompressor:
             for g in factors.groups.values():
                 sent = "qt_local" if self.schedule.sends(g) == "q" else "pt"
                 yield g.names, g.rows["matrices"], g.rows[sent]
+
+
+def _check_state(compressor, state: dict, tensor_keys, leaving) -> None:
+    """`PowerSGDCompressor.check_state_dict`, with its `tensor_keys` given."""
+    if not isinstance(state, dict):
+        raise ValueError("PowerSGD state must be a dict from state_dict()")
+    # A checkpoint of the other schedule has no P memory: it starts fresh.
+    required = [k for k in tensor_keys if k != "p_memory"]
+    for key in (*required, "rng_states"):
+        if key not in state:
+            raise ValueError(f"PowerSGD state has no '{key}': not a horovod_powersgd checkpoint")
+    leaving = set(leaving)
+    layout = compressor.layout(_saved_ranks(compressor, state))
+    layout = {name: shape for name, shape in layout.items() if name not in leaving}
+    for key in tensor_keys:
+        saved = state.get(key)
+        if saved is None:
+            continue
+        if set(saved) != set(layout):
+            missing = sorted(set(layout) - set(saved))
+            extra = sorted(set(saved) - set(layout))
+            raise ValueError(
+                f"PowerSGD checkpoint does not match this model's compressed parameters "
+                f"({key}): missing {missing[:5]}, unexpected {extra[:5]}"
+            )
+        for name, tensor in saved.items():
+            n, m, r = layout[name]
+            expected = {"error_buffers": (n, m), "q_memory": (m, r), "p_memory": (n, r)}[key]
+            if tuple(tensor.shape) != expected:
+                raise ValueError(
+                    f"PowerSGD checkpoint: {key}[{name!r}] has shape {tuple(tensor.shape)}, "
+                    f"this model needs {expected} (a different model or rank?)"
+                )
+    if len(state["rng_states"]) != len(compressor._generators):
+        raise ValueError(
+            f"PowerSGD checkpoint has {len(state['rng_states'])} RNG states, "
+            f"this model needs {len(compressor._generators)}"
+        )
+
+
+def _saved_ranks(compressor, state: dict) -> dict:
+    """The bucket ranks a state was saved with (checkpoints before ranks: today's)."""
+    try:  # [[bucket, rank], ...]
+        ranks = dict(state["ranks"]) if "ranks" in state else dict(compressor.ranks)
+    except (TypeError, ValueError):
+        ranks = None
+    if ranks is None or set(ranks) != set(compressor.ranks):
+        raise ValueError("PowerSGD checkpoint has ranks for other buckets: saved by another model")
+    allowed = (
+        {0, *compressor.config.ladder()} if compressor.config.auto else {compressor.config.rank}
+    )
+    bad = {b: r for b, r in ranks.items() if r not in allowed}
+    if bad:
+        raise ValueError(
+            f"PowerSGD checkpoint was saved with bucket ranks {sorted(set(bad.values()))}; "
+            f"this optimizer uses {sorted(allowed)} (rank={compressor.config.rank!r})"
+        )
+    return ranks
 
 
 class JointStep:

@@ -96,6 +96,11 @@ class PowerSGDConfig:
     # Per-layer quality and the early warning; off saves a norm per gradient and
     # error buffer per step and a small all-reduce every 10 steps.
     layer_stats: bool = True
+    # --- accelerators (graphs.py) ---------------------------------------------------
+    # Capture the compressor's local work as CUDA graphs once the step's layout is
+    # settled, and replay them: a few launches a step instead of hundreds. Eager on
+    # the CPU. Not yet with rank="auto" or hierarchical PowerSGD.
+    cuda_graphs: bool = False
 
     def __post_init__(self):
         if self.rank != "auto" and (not _is_int(self.rank) or self.rank < 1):
@@ -113,7 +118,8 @@ class PowerSGDConfig:
             raise ValueError(f"min_compression_rate must be a number >= 0, got {rate!r}")
         if rate == float("inf"):
             raise ValueError("min_compression_rate must be finite; use rank=... or plain Horovod")
-        for flag in ("error_feedback", "warm_start", "sparse_as_dense", "layer_stats"):
+        flags = ("error_feedback", "warm_start", "sparse_as_dense", "layer_stats", "cuda_graphs")
+        for flag in flags:
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if not _is_int(self.drift_check_every) or self.drift_check_every < 0:
@@ -125,6 +131,13 @@ class PowerSGDConfig:
         if not (isinstance(self.hierarchical, bool) or self.hierarchical == "auto"):
             raise ValueError(
                 f'hierarchical must be True, False or "auto", got {self.hierarchical!r}'
+            )
+        if self.cuda_graphs and (self.auto or self.hierarchical):
+            raise ValueError(
+                "cuda_graphs=True is not supported with "
+                + ('rank="auto"' if self.auto else f"hierarchical={self.hierarchical!r}")
+                + " yet: its plan changes the layout the graphs are captured at; use a "
+                "fixed rank, flat"
             )
         if self.comm_dtype is not None and self.comm_dtype not in COMM_DTYPES:
             raise ValueError(

@@ -58,6 +58,9 @@ class ShapeGroup:
     # (k, 1, 1), so that they sit well inside float16's range (linalg.wire_scale).
     p_scale: torch.Tensor | None = None
     q_scale: torch.Tensor | None = None
+    # Where those scales are written each step ("p", "q"; allocated once): a captured
+    # graph reads them where they were (graphs.py).
+    scales: dict = field(default_factory=dict)
     # Per-matrix views of the buffers above, made once (`cache_views`): taking
     # `matrices[i]` or a transpose is itself an operation, and on a GPU each
     # operation is a kernel launch or more; a step should not pay for them per
@@ -370,6 +373,8 @@ class Factors:
         first = 0
         for g in groups:
             g.matrices = torch.zeros(g.count, g.n, g.m, dtype=self.dtype, device=self.device)
+            if self.scaled:
+                g.scales = {k: self.p.new_ones(g.count, 1, 1) for k in "pq"}
             g.first = first
             first += g.count
             g.cache_views()

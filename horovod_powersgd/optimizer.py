@@ -563,6 +563,7 @@ def DistributedOptimizer(
     max_rank: int = 16,
     auto_link: str | None = None,
     hierarchical: bool | str = False,
+    cuda_graphs: bool = False,
 ):
     """Wrap a torch optimizer so that its gradients are averaged with PowerSGD.
 
@@ -661,6 +662,11 @@ def DistributedOptimizer(
             hierarchical step, and "auto" is chosen or not from the
             measurements (the model's step of each); True on one node or one worker
             per node warns and runs flat; uneven workers per node raise.
+        cuda_graphs: on CUDA, capture the compressor's local work between Horovod's
+            calls as CUDA graphs once a step's layout has run eagerly, and replay them
+            (graphs.py): a few launches a step instead of hundreds, the same results.
+            Eager on the CPU. Not yet with rank="auto" or hierarchical (ValueError).
+            Off by default until a GPU run has shown it correct and faster (docs/gpu.md).
 
     Returns:
         An optimizer of a class derived from `type(optimizer)`.
@@ -706,7 +712,7 @@ def DistributedOptimizer(
         drift_check_every=drift_check_every, backward_passes_per_step=backward_passes_per_step,
         gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
         layer_stats=layer_stats, max_rank=max_rank, auto_link=auto_link,
-        hierarchical=hierarchical,
+        hierarchical=hierarchical, cuda_graphs=cuda_graphs,
     )  # fmt: skip
     if gradient_predivide_factor != 1.0 and op != hvd_comm.Average:
         raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")

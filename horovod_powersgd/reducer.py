@@ -150,6 +150,8 @@ class Reducer:
         self._decompress(
             {b.index: last for b, last in zip(self.sending, factors) if b.factor_count}
         )
+        if self.compressing:
+            self.compressor.end_step()
 
     def _first_back(self, bucket: Bucket) -> list:
         """Wait for the bucket's first round: its factors lead (returned), its uncompressed
