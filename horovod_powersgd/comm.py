@@ -420,16 +420,20 @@ class Packed:
         wired = [comm.to_wire(t, comm_dtype) for t in sent]
         self.tensors, self.ctxs = [t for t, _ in wired], [c for _, c in wired]
 
-    def write(self, outputs: list[torch.Tensor], targets: list) -> list[torch.Tensor]:
+    def write(self, outputs: list[torch.Tensor], targets: list, copies=None) -> list:
         """The aggregates (`outputs`: the all-reduced `tensors`) into `targets`, the
-        gradients as they are now (a None target gets a new tensor); returns them."""
+        gradients as they are now (a None target gets a new tensor); returns them.
+        `copies`: a list to add the (target, aggregate) pairs to, for the caller to copy
+        in one fused copy with others' (None: copied here)."""
         results = [self.comm.from_wire(t, ctx) for t, ctx in zip(outputs, self.ctxs)]
         if self.flat:  # one cast back, if any, and views of it
             flat = results[0].to(self.grads[0].dtype).split([g.numel() for g in self.grads])
             results = [t if t.shape == g.shape else t.view_as(g) for t, g in zip(flat, self.grads)]
-        copies = [(t, r) for t, r in zip(targets, results) if t is not None and t is not r]
-        if copies:
-            torch._foreach_copy_([t for t, _ in copies], [r for _, r in copies])
+        pairs = [(t, r) for t, r in zip(targets, results) if t is not None and t is not r]
+        if copies is not None:
+            copies += pairs
+        elif pairs:
+            torch._foreach_copy_([t for t, _ in pairs], [r for _, r in pairs])
         return [t if t is not None else r.to(g.dtype, copy=True)
                 for t, r, g in zip(targets, results, self.grads)]  # fmt: skip
 

@@ -52,7 +52,7 @@ import torch
 from . import graphs
 from .config import PowerSGDConfig
 from .layout import Concatenation, Factors, JointFactors, PaddedBatch, ShapeGroup
-from .linalg import compute_dtype, matrix_shape, orthogonalize_, wire_scale
+from .linalg import compute_dtype, held, matrix_shape, orthogonalize_, wire_scale
 from .stepmodel import per_round
 
 
@@ -518,7 +518,8 @@ class PowerSGDCompressor:
         device = next((key[1] for key in self._generators), None)
         self.graphs = graphs.runner_for(config.cuda_graphs, device, self._generators.values())
         self._outputs: dict[str, torch.Tensor] = {}
-        self._statics = partial(graphs.static_tensors, self)  # what graphs may read
+        self._held: list = []  # see `hold`
+        self._statics = lambda: graphs.static_tensors(self, held(), self._held)
         self._build(set(self.ranks))
 
     def _build(self, buckets: set) -> None:
@@ -688,10 +689,6 @@ class PowerSGDCompressor:
 
         self.graphs.run("partners", partners, self._statics)
 
-    def end_step(self) -> None:
-        """The step's last segment ran (its graphs, if captured, are complete)."""
-        self.graphs.end()
-
     def project_all(self, p_sums: Mapping) -> dict:
         """rounds=2: `project` of several buckets, bucket -> its summed P buffers (as
         `project` takes them), every bucket's at once where they are all (`JointStep`);
@@ -713,15 +710,26 @@ class PowerSGDCompressor:
         """This parameter's part of the step that needs only its gradient (None: zero)."""
         self.schedule.compress(*self._where[name], grad)
 
-    def compress_bucket(self, bucket, grads: Mapping) -> None:
+    def compress_bucket(self, bucket, grads: Mapping, then=None) -> None:
         """`compress` of every compressed matrix of `bucket` at once (name -> its gradient,
-        every one): a few launches a bucket on a GPU, not a few a matrix."""
+        every one): a few launches a bucket on a GPU, not a few a matrix; then `then()`,
+        if given, in the same segment (its tensors `hold`)."""
         factors = self.of(bucket)
         for f in factors:  # eager: each step's gradients are new tensors
             _accumulate_all(f, grads, self.schedule.error_feedback)
-        self.graphs.run(
-            ("compress", bucket), partial(self.schedule.products, factors), self._statics
-        )
+
+        def compress():
+            self.schedule.products(factors)
+            if then is not None:
+                then()
+
+        self.graphs.run(("compress", bucket), compress, self._statics)
+
+    def hold(self, *objects) -> None:
+        """Objects whose tensors a segment may read too (the statistics, `then` of
+        `compress_bucket`): static for the graphs, which start again."""
+        self._held = list(objects)
+        self.graphs.drop()
 
     def send_buffers(self, bucket=None) -> list[torch.Tensor]:
         """The flat buffers of the step's first (rounds=1: only) round, to sum in place."""

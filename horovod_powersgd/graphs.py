@@ -55,6 +55,11 @@ EAGER_STEPS = 1
 ENV = "HOROVOD_POWERSGD_GRAPHS"  # "record": the recording runner, on any device (tests)
 
 
+# Set while the recording runner replays: bench.dispatch counts a replay as one launch,
+# not its operations (as a CUDA graph's replay is one launch).
+REPLAYING = False
+
+
 class CaptureError(RuntimeError):
     """A segment did something a captured graph cannot replay."""
 
@@ -302,11 +307,16 @@ class Recording(_Graphs):
                 f"segment {name!r} was captured reading tensors the step no longer holds "
                 f"(read by {ops}): a graph would read freed memory"
             )
-        for func, args, kwargs, out in record.ops:
-            fresh = func(*args, **kwargs)
-            for kept, new in zip(_tensors(out), _tensors(fresh)):
-                if kept is not new and _storage(kept) != _storage(new):
-                    kept.copy_(new)  # the graph's output stays where it was
+        global REPLAYING
+        REPLAYING = True
+        try:
+            for func, args, kwargs, out in record.ops:
+                fresh = func(*args, **kwargs)
+                for kept, new in zip(_tensors(out), _tensors(fresh)):
+                    if kept is not new and _storage(kept) != _storage(new):
+                        kept.copy_(new)  # the graph's output stays where it was
+        finally:
+            REPLAYING = False
 
 
 def copy_out(static: dict, out: dict) -> dict:

@@ -207,6 +207,12 @@ def _identity(size: int, device: torch.device) -> torch.Tensor:
     return _IDENTITIES[key]
 
 
+def held() -> list[torch.Tensor]:
+    """The tensors this module keeps between calls (its identities): a captured graph
+    may read them (graphs.py)."""
+    return list(_IDENTITIES.values())
+
+
 # What P and Q of one matrix may reach on a float16 wire, summed over workers:
 # 2^10 leaves 64x headroom below float16's largest number (65504) for a gradient
 # that grows between steps, and 2^24 below it before float16 goes subnormal.

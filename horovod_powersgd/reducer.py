@@ -24,6 +24,8 @@ comm dtype). A warm-up step sends every gradient as it is.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from .compressor import PowerSGDCompressor
@@ -145,13 +147,16 @@ class Reducer:
         factors = [self._first_back(b) for b in self.sending]
         if self.compressing and self.two_rounds and any(factors):
             factors = self._q_round(factors)
+        copies = []  # every bucket's uncompressed aggregates, copied in one fused copy
         for bucket in self.sending:
-            self._receive_uncompressed(bucket, bucket.received)
+            self._receive_uncompressed(bucket, bucket.received, copies)
+        if copies:
+            torch._foreach_copy_([t for t, _ in copies], [r for _, r in copies])
         self._decompress(
             {b.index: last for b, last in zip(self.sending, factors) if b.factor_count}
         )
-        if self.compressing:
-            self.compressor.end_step()
+        if self.compressing:  # the step's last segment ran: its graphs, if captured, are whole
+            self.compressor.graphs.end()
 
     def _first_back(self, bucket: Bucket) -> list:
         """Wait for the bucket's first round: its factors lead (returned), its uncompressed
@@ -190,9 +195,10 @@ class Reducer:
                 p.grad = torch.zeros_like(p)
         if self.compressing and bucket.compressed:  # M = grad + e; the factor it sends
             grads = {name: p.grad for name, p in zip(bucket.names, bucket.compressed)}
-            self.compressor.compress_bucket(bucket.index, grads)
-            if self.monitor is not None and not self.two_rounds:  # before they are summed
-                self.monitor.residuals(bucket.index)
+            notes = None  # rounds=1: the factors' norms, before they are summed in place
+            if self.monitor is not None and not self.two_rounds:
+                notes = partial(self.monitor.residuals, bucket.index)
+            self.compressor.compress_bucket(bucket.index, grads, notes)
         # Warm-up steps, and buckets that rank="auto" sends plain, are plain Horovod
         # (the user's compression); compressed steps send everything else in
         # comm_dtype (where one is set), the uncompressed gradients included.
@@ -206,13 +212,13 @@ class Reducer:
         bucket.handles = [self.comm.allreduce_async(tensors, f"b{bucket.index}.r1")]
         self.launched.append(bucket)
 
-    def _receive_uncompressed(self, bucket: Bucket, outputs) -> None:
+    def _receive_uncompressed(self, bucket: Bucket, outputs, copies) -> None:
         """Write the bucket's aggregated uncompressed gradients into `p.grad`.
 
         Into the gradient as it is now, like Horovod: code that assigned a new
         tensor to `p.grad` after backward (e.g. a clamp) gets the result there.
         """
-        grads = bucket.packed.write(outputs, [p.grad for p in bucket.sent])
+        grads = bucket.packed.write(outputs, [p.grad for p in bucket.sent], copies)
         for p, grad in zip(bucket.sent, grads):
             p.grad = grad  # itself, or a new tensor where it was None
 

@@ -142,6 +142,7 @@ class PowerSGDState:
         # Its averages need CHECK_EVERY compressed steps of this layout first.
         self.monitor.start_iter = max(self.tuner.start, self.step)
         self.reducer.monitor = self.monitor
+        self.compressor.hold(self.monitor)  # its buffers: read inside rounds=1's graphs
 
     def reset_monitor(self) -> None:
         """Start the statistics again: they describe the steps of another state."""

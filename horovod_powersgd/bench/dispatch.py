@@ -34,6 +34,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .. import graphs
 from . import models
 
 
@@ -105,6 +106,8 @@ class OpCounter(TorchDispatchMode):
         self.kernels: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if graphs.REPLAYING:  # inside a (recorded) graph: its replay is counted once
+            return func(*args, **(kwargs or {}))
         name = str(func.overloadpacket.__name__)
         self.ops[name] += 1
         self.kernels[name] += kernels_of(func, args)
@@ -147,8 +150,13 @@ def measure(make_optimizer, shapes, steps: int = 6, timed: int = 5) -> dict:
     for step in range(steps):
         _step(model, opt, step)
     counter = OpCounter()
+    runner = getattr(getattr(opt, "compressor", None), "graphs", None)
+    replays = runner.replays if runner is not None else 0
     with as_on_an_accelerator(), counter:
         _step(model, opt, steps)
+    if runner is not None and runner.replays > replays:  # a graph's replay: one launch
+        counter.ops["graph_replay"] += runner.replays - replays
+        counter.kernels["graph_replay"] += runner.replays - replays
     times = []
     for step in range(steps + 1, steps + 1 + timed):
         start = time.process_time()
@@ -172,7 +180,9 @@ def library_ops(
 
     Horovod must be initialised. `timed`: steps whose CPU time is measured (0: none);
     `method`: the orthogonalisation (linalg.METHODS; None: the environment's);
-    `settings` go to horovod_powersgd.DistributedOptimizer.
+    `settings` go to horovod_powersgd.DistributedOptimizer. With `cuda_graphs=True` the
+    step runs through the recording runner (graphs.py), whose replays count as one
+    launch each ("graph_replay"), as a CUDA graph's: the ops outside the graphs.
     """
     import horovod.torch as hvd
 
@@ -181,6 +191,9 @@ def library_ops(
 
     if method is not None:
         with _environment(linalg.METHOD_ENV, method):
+            return library_ops(rank, rounds, shapes, timed, None, **settings)
+    if settings.get("cuda_graphs") and os.environ.get(graphs.ENV) != "record":
+        with _environment(graphs.ENV, "record"):
             return library_ops(rank, rounds, shapes, timed, None, **settings)
 
     shapes = shapes or resnet50_shapes()
@@ -204,6 +217,7 @@ def library_ops(
         "rank": rank,
         "rounds": rounds,
         "method": linalg.METHOD,
+        "graphs": bool(settings.get("cuda_graphs")),
         "ops": mine["ops"],
         "horovod_ops": base["ops"],
         "extra_ops": mine["ops"] - base["ops"],
@@ -239,6 +253,11 @@ def main(argv=None) -> None:
         "--orthogonalize", default="householder,cholesky",
         help="orthogonalisation methods (default: householder,cholesky)",
     )  # fmt: skip
+    parser.add_argument(
+        "--graphs", default="off,on",
+        help="eager, and/or cuda_graphs=True through the recording runner: the launches "
+        "outside the graphs, each replay one (default: off,on)",
+    )  # fmt: skip
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     import horovod.torch as hvd
@@ -246,23 +265,29 @@ def main(argv=None) -> None:
     hvd.init()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rows = [
-        library_ops(int(rank), int(rounds), method=method)
+        library_ops(int(rank), int(rounds), method=method, cuda_graphs=graphed == "on")
+        for graphed in args.graphs.split(",")
         for method in args.orthogonalize.split(",")
         for rounds in args.rounds.split(",")
         for rank in args.ranks.split(",")
     ]
     if hvd.rank() == 0:
-        print("ResNet-50's shapes, one steady-state step, over Horovod's optimizer (CPU)")
         print(
-            "| orthogonalisation | rank | rounds | ops over Horovod's | CUDA kernels over "
-            "Horovod's (at least) | Horovod's step: ops / kernels | CPU ms over Horovod's |"
+            "ResNet-50's shapes, one steady-state step, over Horovod's optimizer (CPU; no "
+            "CPU time with graphs: the recording runner's own Python is not a GPU's)"
         )
-        print("| --- | --- | --- | --- | --- | --- | --- |")
+        print(
+            "| graphs | orthogonalisation | rank | rounds | ops over Horovod's | CUDA kernels "
+            "over Horovod's (at least; graphs: outside them) | Horovod's step: ops / kernels "
+            "| CPU ms over Horovod's |"
+        )
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for row in rows:
             print(
-                f"| {row['method']} | {row['rank']} | {row['rounds']} | {row['extra_ops']} | "
+                f"| {'on' if row['graphs'] else 'off'} | {row['method']} | {row['rank']} "
+                f"| {row['rounds']} | {row['extra_ops']} | "
                 f"{row['extra_kernels']} | {row['horovod_ops']} / {row['horovod_kernels']} "
-                f"| {row['extra_cpu_ms']:.1f} |"
+                f"| {'-' if row['graphs'] else format(row['extra_cpu_ms'], '.1f')} |"
             )
         if args.json:
             with open(args.json, "w") as f:

@@ -58,7 +58,7 @@ def step(c, done, grads, workers=1):
         c.update_error()
     out = {n: torch.full_like(g, float("nan")) for n, g in grads.items()}  # new each step
     result = c.decompress_all(sent, out=out)
-    c.end_step()
+    c.graphs.end()
     return {n: t.clone() for n, t in result.items()}
 
 
