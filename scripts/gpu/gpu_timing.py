@@ -383,6 +383,13 @@ def run_e2e(args) -> dict:
     clock, rank = Clock(horovod_device(hvd), args.size), RANKS[0]
     configs = {"horovod": {}}  # Horovod's optimizer, then this library's
     configs.update({f"powersgd rank {rank}, rounds={r}": dict(rank=rank, rounds=r) for r in (2, 1)})
+    # The same with the local work in CUDA graphs (cuda_graphs=True; eager on the CPU).
+    configs.update(
+        {
+            f"powersgd rank {rank}, rounds={r}, graphs": dict(rank=rank, rounds=r, cuda_graphs=True)
+            for r in (2, 1)
+        }
+    )
     # The library with nothing compressed (every step a warm-up step): its hooks and its
     # packed plain all-reduces alone, so the gap to Horovod's splits into theirs and
     # compression's (at 1 rank Horovod's optimizer registers no hooks at all).

@@ -26,7 +26,7 @@ from horovod_powersgd.collectives import parse_cluster
 KIT = [sys.executable, "scripts/gpu/gpu_check.py", "--size", "tiny"]
 # What the device sends back: at most 8 files, named in letters, digits, '.', '_', '-'.
 RETURNED_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
-CONTRACT_TESTS = 29  # what gpu_check.CONTRACT selects of tests/parallel
+CONTRACT_TESTS = 35  # what gpu_check.CONTRACT selects of tests/parallel
 
 
 def run_kit(tmp_path, *args, timeout):
@@ -75,6 +75,7 @@ def test_every_phase_runs_and_the_report_holds_real_numbers(full_cpu_run):
             assert all(math.isfinite(v) for v in hook["overhead_ms"].values()), hook
         steps = report["e2e"]["models"][name]["step_ms"]
         assert {"horovod", "powersgd rank 4, rounds=2", "powersgd rank 4, rounds=1",
+                "powersgd rank 4, rounds=2, graphs", "powersgd rank 4, rounds=1, graphs",
                 "powersgd, nothing compressed"} <= set(steps)  # fmt: skip
         assert all(real(t) for times in steps.values() for t in times.values()), steps
         # rank="auto"'s profile of the model, readable by the scale model (docs/scale.md)
