@@ -8,13 +8,14 @@ and bytes at each rank, the link), and from those the step (`predict`), both sch
 one worker's share of a node's work, on a cluster's links):
 
 * backward makes bucket b's gradients final `ready_s[b]` seconds after its
-  first gradient (measured in plain steps); PowerSGD's local work runs on the
-  same thread, in the hooks, so it delays everything after it;
+  first gradient (measured in plain steps); a bucket's compression runs on the
+  same thread, in its hook, so it delays everything after it;
 * a bucket leaves once it is final and compressed, and the link carries one
   all-reduce at a time, each taking `latency_s + bytes / bytes_per_s`
   (measured from this job's own all-reduces of its buckets, a `collectives.Hop`;
-  on a cluster, `collectives.ClusterLink`); with rounds=2 the Q round follows the
-  P round and its projection;
+  on a cluster, `collectives.ClusterLink`); once backward is done and every first
+  round is back, the rest of every bucket's local work runs, and with rounds=2
+  every Q in one all-reduce (the reducer's order);
 * hierarchical PowerSGD puts its node's collectives on the same link, one before
   a bucket's local work and one after its rounds: a worker's collectives run one
   at a time (Horovod's background thread on the CPU, its one NCCL stream on a GPU);
@@ -483,7 +484,39 @@ def _bucket(value, path: str) -> Bucket:
 
 def _timeline(m: Measurements, plan: Sequence[int], on=None) -> float:
     """Seconds from the first gradient until both the hooks' work and the link are done,
-    on the link `on` (`m.link` where None)."""
+    on the link `on` (`m.link` where None).
+
+    Flat PowerSGD as the reducer orders a step (reducer.py): each bucket's compression
+    in its hook, delaying the backward pass behind it, and its first round as soon as
+    the link is free; after backward, once every first round is back, the rest of every
+    bucket's local work (rounds=2: the projection of all, every Q in one all-reduce,
+    the error update beside it, then the decompression), which nothing overlaps.
+    Hierarchical PowerSGD (options with node stages) takes each bucket's stages in turn,
+    its Q right after its P (`_stages`).
+    """
+    options = [b.options.get(r) for b, r in zip(m.buckets, plan) if r != PLAIN]
+    if any(o is not None and (o.before_s or o.after_s) for o in options):
+        return _stages(m, plan, on)
+    link_s = (m.link if on is None else on).seconds
+    shift = 0.0  # local work done in the hooks so far: it delays what follows
+    link = 0.0  # the link is busy until then
+    after, q_bytes = 0.0, 0.0  # the local work after backward; rounds=2's Q round
+    for bucket, rank in zip(m.buckets, plan):
+        option = bucket.options.get(rank) if rank != PLAIN else None
+        if option is None:
+            link = max(bucket.ready_s + shift, link) + link_s(bucket.plain_bytes)
+            continue
+        shift += option.compress_s
+        link = max(bucket.ready_s + shift, link) + link_s(option.round1_bytes)
+        after += option.work_s - option.compress_s
+        q_bytes += option.round2_bytes if m.rounds == 2 else 0.0
+    end = max(m.backward_s + shift, link)  # every first round back
+    return end + after + (link_s(q_bytes) if q_bytes else 0.0)
+
+
+def _stages(m: Measurements, plan: Sequence[int], on=None) -> float:
+    """`_timeline` of hierarchical PowerSGD: each bucket's node stage, local work and
+    rounds in turn on the worker's one queue of collectives."""
     link_s = (m.link if on is None else on).seconds
     shift = 0.0  # local work done in the hooks so far: it delays what follows
     link = 0.0  # the link is busy until then

@@ -134,3 +134,26 @@ def test_hierarchical_auto_runs_hierarchical_where_the_model_expects_it_faster_o
     job = stepmodel.NodeSteps(_job(slow), per_node=2, intra=slow)
     pays, flat_s, nodes_s = planner.hierarchical_pays(job.flat, job, [1, 4])
     assert not pays and nodes_s > flat_s, (flat_s, nodes_s)
+
+
+@pytest.mark.parametrize("rounds", [2, 1])
+def test_the_flat_step_is_timed_in_the_reducers_order(rounds):
+    """Each bucket's compression in its hook (delaying backward), its first round when the
+    link is free; once every first round is back, the rest of every bucket's local work,
+    and rounds=2's Q of every bucket as one all-reduce: one latency, not one a bucket.
+    Worked by hand for two buckets on a link of 1 ms and 1 MB/s."""
+    link = Hop(1e-3, 1e6)
+    a = Option(compress_s=0.002, work_s=0.010, round1_bytes=4e3, round2_bytes=2e3)
+    b = Option(compress_s=0.003, work_s=0.007, round1_bytes=1e3, round2_bytes=1e3)
+    buckets = (Bucket(0.010, 1e5, {2: a}), Bucket(0.020, 1e5, {2: b}))
+    m = Measurements(buckets, 0.030, 0.1, link, rounds, rest_s=0.05)
+    # a leaves at 0.010 + 0.002 and takes 5 ms: the link is busy until 0.017; b's hook
+    # runs at 0.020 + 0.002 (a's compression before it) + 0.003 and takes 2 ms: 0.027.
+    # Backward ends at 0.030 + 0.005, after both: then 8 + 4 ms of the rest of the work.
+    first_rounds = max(0.030 + 0.005, 0.027)
+    expected = first_rounds + 0.008 + 0.004
+    if rounds == 2:
+        expected += 1e-3 + 3e3 / 1e6  # every Q in one message
+    assert stepmodel.predict(m, [2, 2]) == pytest.approx(0.05 + expected)
+    # Plain buckets leave when ready (no local work), after the link frees up.
+    assert stepmodel.predict(m, [0, 0]) == pytest.approx(0.05 + max(0.030, 0.010 + 0.101 + 0.101))
