@@ -116,10 +116,13 @@ class _Graphs(Eager):
         self.seen: dict = {}  # key -> eager steps run
         self.failed: set = set()  # keys that could not be captured: eager for good
         self.key, self._taking = None, None
+        self.paused = False  # every step eager, uncounted (rank="auto" measuring, trying)
 
     def begin(self, key) -> None:
-        self.key = key
-        if key in self.graphs:
+        self.key, self._taking = key, None
+        if self.paused:
+            self.mode = "eager"
+        elif key in self.graphs:
             self.mode = "replay"
         elif key in self.failed or self.seen.get(key, 0) < EAGER_STEPS:
             self.mode = "eager"

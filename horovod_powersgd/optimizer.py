@@ -665,7 +665,8 @@ def DistributedOptimizer(
         cuda_graphs: on CUDA, capture the compressor's local work between Horovod's
             calls as CUDA graphs once a step's layout has run eagerly, and replay them
             (graphs.py): a few launches a step instead of hundreds, the same results.
-            Eager on the CPU. Not yet with rank="auto" or hierarchical (ValueError).
+            Eager on the CPU; with rank="auto", only once its plan is settled (its
+            measuring and trial steps run eagerly). Not yet hierarchical (ValueError).
             Off by default until a GPU run has shown it correct and faster (docs/gpu.md).
 
     Returns:

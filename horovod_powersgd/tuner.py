@@ -269,6 +269,7 @@ class Tuner:
         self.trial_steps: list[list[float]] = []  # this rank's timed steps of each candidate
         self._plain_steps: list[float] = []  # the clean steps' ranks' means: their spread too
         self.expected_s: float | None = None  # the settled plan's measured step time
+        self._rebase = False  # expected_s from the first settled steps (graphs: _settle)
         self.changes = 0  # plans taken so far
         self._replan_due = False  # the number of workers changed
         self._next_check = 0
@@ -288,6 +289,9 @@ class Tuner:
     def begin_step(self, state) -> None:
         """At the step's first hook, before its first collective."""
         self._step_start = time.perf_counter()
+        # Graphs (cuda_graphs) only for the settled plan: trials time it as it runs eagerly,
+        # and each would be captured anew.
+        state.compressor.graphs.paused = self.phase != "settled"
         index = state.step - self.origin
         if self.phase == "measure" and (index in CLEAN or index in TIMED):
             # On CUDA the clean steps' times are the device's (see _Recorder).
@@ -403,28 +407,10 @@ class Tuner:
 
     def _write_profile(self, trials: list[dict] | None = None) -> None:
         """The measurements (and the candidates' measured steps, once timed) to the file
-        HOROVOD_POWERSGD_PROFILE names, from the first rank: the ranks' means.
-
-        A diagnostic: a failure to write it is logged, never raised (this rank alone
-        writes, so an error here would end the job, or leave the others waiting)."""
-        if self.profile is None:
-            return
-        data = self.measurements.to_dict()
-        if trials:
-            data["trials"] = trials  # bench.scale: compute under compression (docs/scale.md)
-        temporary = f"{self.profile}.tmp{os.getpid()}"  # whole or not at all
-        try:
-            with open(temporary, "w") as f:
-                json.dump(data, f, indent=1)
-            os.replace(temporary, self.profile)
-        except OSError as error:
-            logger.warning(
-                "%s=%r: cannot write the profile (%s); no profile is written from now on",
-                PROFILE_VARIABLE, self.profile, error,
-            )  # fmt: skip
-            self.profile = None
-            with contextlib.suppress(OSError):
-                os.remove(temporary)
+        HOROVOD_POWERSGD_PROFILE names, from the first rank: the ranks' means
+        (`_profile_written`: a diagnostic, never raised)."""
+        if self.profile is not None:
+            self.profile = _profile_written(self.profile, self.measurements, trials)
 
     @property
     def model(self):
@@ -499,6 +485,9 @@ class Tuner:
             self._log(state, plan)  # the last candidate tried: taken as it runs
         self.expected_s = stepmodel.predict(self.model, plan) if seconds is None else seconds
         self._next_check = state.step + CHECK_EVERY
+        # With graphs the settled steps run replayed, not as the trials timed them: their
+        # own time is the drift check's baseline, taken at the first check.
+        self._rebase = state.compressor.graphs.graphed
 
     # --- keep up ----------------------------------------------------------------------------
     def _keep_up(self, state, seconds) -> None:
@@ -515,6 +504,10 @@ class Tuner:
             raised = planner.raise_failing(self.model, plan, failing, budget)
         # The step time against the settled one, the ranks' mean (1: nothing to compare).
         ratio = 1.0
+        if self.pinned is None and self._window and self._rebase:
+            mean = statistics.median(self._window)
+            mean = self.comm.allreduce_sum(torch.tensor([mean], dtype=torch.float64), "auto.base")
+            self.expected_s, self._rebase = float(mean[0]) / self.comm.size, False
         if self.pinned is None and self._window:
             ratio = statistics.median(self._window) / self.expected_s
         mean = self.comm.allreduce_sum(torch.tensor([ratio], dtype=torch.float64), "auto.drift")
@@ -626,6 +619,30 @@ class Tuner:
 
     def plan(self, state) -> list[dict]:
         return _plan_rows(state, _bucket_figures(self.model, self._current(state), state))
+
+
+def _profile_written(path: str, measurements, trials) -> str | None:
+    """Write `measurements` (with `trials`) to `path`; returns it, or None once it failed.
+
+    A diagnostic: a failure to write it is logged, never raised (this rank alone
+    writes, so an error here would end the job, or leave the others waiting)."""
+    data = measurements.to_dict()
+    if trials:
+        data["trials"] = trials  # bench.scale: compute under compression (docs/scale.md)
+    temporary = f"{path}.tmp{os.getpid()}"  # whole or not at all
+    try:
+        with open(temporary, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(temporary, path)
+    except OSError as error:
+        logger.warning(
+            "%s=%r: cannot write the profile (%s); no profile is written from now on",
+            PROFILE_VARIABLE, path, error,
+        )  # fmt: skip
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+        return None
+    return path
 
 
 def _bucket_figures(m, plan, state) -> dict[int, dict]:

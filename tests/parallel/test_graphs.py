@@ -98,3 +98,47 @@ def test_graphed_resume_continues_exactly():
     assert opt.compressor.graphs.replays > 0
     for (name, a), b in zip(whole.named_parameters(), resumed.parameters()):
         assert torch.equal(a, b), f"{name}: the resumed graphed run differs"
+
+
+def test_auto_captures_its_settled_plan_only_and_trains_as_eager_auto():
+    """rank="auto" with graphs: its measuring and trial steps run eagerly (nothing captured
+    while the plan can change), its settled plan is captured and replayed, and the run
+    equals the eager auto run bit for bit (a link pinned at 1 Mbit/s: the plan is the
+    lowest rank whatever the timings, so both runs take the same)."""
+    models, plans = {}, {}
+    for graphed in (False, True):
+        model = models[graphed] = make_model()
+        opt = powersgd(model, rank="auto", auto_link="1mbit", cuda_graphs=graphed)
+        tuner, runner = opt.powersgd_state.tuner, opt.compressor.graphs
+        for step in range(20):
+            _train(model, opt, 1, first=step)
+            if tuner.phase != "settled":
+                assert runner.captures == 0, f"captured at step {step}, before auto settled"
+        plans[graphed] = [(b["name"], b["rank"]) for b in opt.compression_stats()["plan"]]
+        assert tuner.phase == "settled"
+        if graphed:
+            assert runner.replays > runner.captures > 0
+    assert plans[False] == plans[True]
+    for (name, eager), graphed in zip(models[False].named_parameters(), models[True].parameters()):
+        assert torch.equal(eager, graphed), f"{name}: graphed auto differs from eager auto"
+        assert_same_on_every_rank(graphed, name)
+
+
+def test_auto_trials_run_eagerly_and_the_settled_plan_is_captured():
+    """With the link measured (not pinned), auto tries its candidates, compressed ones among
+    them: those steps run eagerly (each plan would be captured anew, and the trials time
+    the step as it runs); graphs come once the plan is settled."""
+    model = make_model()
+    opt = powersgd(model, rank="auto", cuda_graphs=True)
+    tuner, runner = opt.powersgd_state.tuner, opt.compressor.graphs
+    phases = set()
+    for step in range(40):
+        _train(model, opt, 1, first=step)
+        phases.add(tuner.phase)
+        if tuner.phase != "settled":
+            assert runner.captures == 0, f"captured at step {step}, in phase {tuner.phase}"
+    assert {"try", "settled"} <= phases, phases
+    if any(b["rank"] for b in opt.compression_stats()["plan"]):  # a compressed plan
+        assert runner.replays > runner.captures > 0
+    for name, p in model.named_parameters():
+        assert_same_on_every_rank(p, name)
