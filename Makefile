@@ -63,7 +63,7 @@ test-gloo:
 
 # The structure too (docs/architecture.md): one module imports Horovod, sizes,
 # imports one way, and one step's path through the package at most 425 lines (flat),
-# 485 once rank="auto" has settled; the hierarchical step's, at most 445, needs nodes of
+# 490 once rank="auto" has settled; the hierarchical step's, at most 445, needs nodes of
 # several workers: tests/launch/test_hierarchical.py counts it (HIERARCHICAL_STEP_LINES).
 STEP_PATH = timeout --signal=KILL 300 $(PY) scripts/step_path.py
 lint:
@@ -72,7 +72,7 @@ lint:
 	$(VENV)/bin/hadolint Dockerfile docker/Dockerfile.gpu
 	$(PY) scripts/check_structure.py
 	$(STEP_PATH) --rounds 2 1 --max-lines 425 | grep lines
-	$(STEP_PATH) --auto --rounds 2 1 --max-lines 485 | grep lines
+	$(STEP_PATH) --auto --rounds 2 1 --max-lines 490 | grep lines
 
 # Builds the CPU image with podman (slow: it compiles Horovod), checks that the
 # build's self-test ran and smoke-tests the image; not part of `make test`.

@@ -153,6 +153,7 @@ class _DistributedOptimizer:
         if self.powersgd_state.sparse.sparse or (p.grad is not None and p.grad.is_sparse):
             self.powersgd_state.sparse.ready(p)
         if not self.powersgd_state.reducer.in_step:
+            _refuse_capture(p)
             self._begin_step()
         self.powersgd_state.reducer.ready(p)
 
@@ -478,6 +479,23 @@ class _DistributedOptimizer:
         if root_rank is None:
             root_rank = hvd_comm.first_rank(self.process_set)
         self._agreement.broadcast(self.powersgd_state, root_rank)
+
+
+def _refuse_capture(p: torch.Tensor) -> None:
+    """A step inside the user's own CUDA graph capture cannot work: Horovod's collectives
+    go through its background thread, which a graph cannot hold. Raised at the step's
+    first gradient, before any collective."""
+    if p.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(_CAPTURED)
+
+
+_CAPTURED = (
+    "horovod_powersgd.DistributedOptimizer's step cannot run inside a CUDA graph capture "
+    "(torch.cuda.graph, or make_graphed_callables around backward): Horovod's collectives "
+    "go through a host thread the graph cannot hold. Capture the model's forward and "
+    "backward without the optimizer's hooks, or pass cuda_graphs=True, which captures "
+    "PowerSGD's own work between the collectives"
+)
 
 
 def _warn_synchronized_already() -> None:

@@ -142,3 +142,17 @@ def test_auto_trials_run_eagerly_and_the_settled_plan_is_captured():
         assert runner.replays > runner.captures > 0
     for name, p in model.named_parameters():
         assert_same_on_every_rank(p, name)
+
+
+def test_a_step_inside_the_users_own_capture_raises_a_clear_error(monkeypatch):
+    """The optimizer's step inside a CUDA graph the user captures (Horovod's collectives
+    cannot be): the step's first gradient raises, naming the cause and what to do. (The
+    CPU has no capture: a CUDA parameter and a capture in progress are stood in for.)"""
+    from types import SimpleNamespace
+
+    from horovod_powersgd import optimizer
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match=r"inside a CUDA graph capture.*cuda_graphs=True"):
+        optimizer._refuse_capture(SimpleNamespace(is_cuda=True))
+    optimizer._refuse_capture(SimpleNamespace(is_cuda=False))  # a CPU step: nothing to refuse
