@@ -398,9 +398,13 @@ def run_e2e(args) -> dict:
     for name, (label, powersgd) in itertools.product(MODELS, configs.items()):
         entry = result["models"].setdefault(name, {"step_ms": {}, "errors": {}})
         steps = (entry, name, args.size, clock, powersgd)
+        if clock.cuda:
+            torch.cuda.reset_peak_memory_stats()
         times = _guarded(entry["errors"], label, _whole_steps, *steps)
         if times:
             entry["step_ms"][label] = times
+        if clock.cuda:  # with and without graphs (their pools, the static outputs)
+            entry.setdefault("peak_mb", {})[label] = torch.cuda.max_memory_allocated() / 2**20
         if clock.cuda:
             torch.cuda.empty_cache()
         if hvd.rank() == 0:
