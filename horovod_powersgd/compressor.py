@@ -700,7 +700,7 @@ class PowerSGDCompressor:
             if whole:
                 self._joint.project(self.schedule, sums)
             for b, ps in {} if whole else p_sums.items():
-                self.project(ps, b)
+                _each(self.schedule.project, list(zip(self.of(b), ps)))
 
         self._joint.projected = whole
         self.graphs.run("project", project, self._statics)
@@ -744,8 +744,11 @@ class PowerSGDCompressor:
         if bucket is None:
             qs = self._joint.project(self.schedule, dict(zip(map(id, self.factors), p_sums)))
             return [qs[id(f)] for f in self.factors]
-        self._joint.projected = False
-        return [self.schedule.project(f, p_sum) for f, p_sum in zip(self.of(bucket), p_sums)]
+        self._joint.projected, factors = False, self.of(bucket)
+        pairs = list(zip(factors, p_sums))
+        segment = partial(_each, self.schedule.project, pairs)
+        self.graphs.run(("project", bucket), segment, self._statics)
+        return [f.q_comm for f in factors]
 
     def update_error(self, bucket=None) -> None:
         """rounds=2: keep what this worker's compression dropped (rounds=1 did in compress);
@@ -753,8 +756,8 @@ class PowerSGDCompressor:
         if bucket is None and self._joint.projected:
             self.graphs.run("error", lambda: self._joint.update_error(self.schedule), self._statics)
             return
-        for factors in self.of(bucket):
-            self.schedule.update_error(factors)
+        segment = partial(_each, self.schedule.update_error, [(f,) for f in self.of(bucket)])
+        self.graphs.run(("error", bucket), segment, self._statics)
 
     def decompress(self, avgs, out=None, bucket=None) -> dict[str, torch.Tensor]:
         """name -> the aggregated gradient, from the averaged (or summed) buffers.
@@ -766,6 +769,14 @@ class PowerSGDCompressor:
                 the gradients into; names not in it get a new tensor.
             bucket: the caller's bucket they belong to (None: all).
         """
+        if not self.graphs.graphed:
+            return self._decompress(avgs, out, bucket)
+        static = {n: self._outputs[n] for f in self.of(bucket) for n in f.names()}
+        segment = partial(self._decompress, list(avgs), static, bucket)
+        self.graphs.run(("decompress", bucket), segment, self._statics)
+        return graphs.copy_out(static, out or {})
+
+    def _decompress(self, avgs, out, bucket) -> dict[str, torch.Tensor]:
         grads, received = {}, iter(avgs)
         if bucket is None and self._joint.whole:  # every bucket's at once
             kinds = self.schedule.kinds
@@ -792,7 +803,7 @@ class PowerSGDCompressor:
         grads = {}
         if not whole:
             for b, a in avgs.items():
-                grads.update(self.decompress(list(a), out, b))
+                grads.update(self._decompress(list(a), out, b))
             return grads
         tensors, kinds = {b: iter(a) for b, a in avgs.items()}, self.schedule.kinds
         received = {id(f): [next(tensors[b]) for _ in kinds(f)] for b, f in self._bucketed}
@@ -889,17 +900,7 @@ class PowerSGDCompressor:
         the same factor every step); the value is the mean over two steps
         (`stepmodel.per_round`, the model's bytes of a step).
         """
-        group, _ = self._where[name]
-        sizes = {"p": group.rank * group.n, "q": group.rank * group.m}
-        rounds = self.schedule.rounds
-        first, second = ("p", "q") if rounds == 2 else group.sends  # by step parity
-        per_step = sum(per_round(sizes[first], sizes[second], 0, rounds))
-        return {
-            "shape": tuple(self._shapes[name]),
-            "matrix": (group.n, group.m),
-            "rank": group.rank,
-            "elements_per_step": per_step,
-        }
+        return _layer_info(self._where[name][0], self._shapes[name], self.schedule.rounds)
 
     def step_views(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(error buffer, factor this worker computed) of `name` in the current step.
@@ -926,6 +927,25 @@ class PowerSGDCompressor:
             for g in factors.groups.values():
                 sent = "qt_local" if self.schedule.sends(g) == "q" else "pt"
                 yield g.names, g.rows["matrices"], g.rows[sent]
+
+
+def _layer_info(group: ShapeGroup, shape: torch.Size, rounds: int) -> dict:
+    """`PowerSGDCompressor.layer_info` of a matrix of `group`, shaped `shape` as a parameter."""
+    sizes = {"p": group.rank * group.n, "q": group.rank * group.m}
+    first, second = ("p", "q") if rounds == 2 else group.sends  # by step parity
+    per_step = sum(per_round(sizes[first], sizes[second], 0, rounds))
+    return {
+        "shape": tuple(shape),
+        "matrix": (group.n, group.m),
+        "rank": group.rank,
+        "elements_per_step": per_step,
+    }
+
+
+def _each(method, arguments) -> None:
+    """`method(*a)` for each `a` of `arguments` (a segment of several calls)."""
+    for a in arguments:
+        method(*a)
 
 
 def _check_state(compressor, state: dict, tensor_keys, leaving) -> None:

@@ -99,7 +99,7 @@ class PowerSGDConfig:
     # --- accelerators (graphs.py) ---------------------------------------------------
     # Capture the compressor's local work as CUDA graphs once the step's layout is
     # settled, and replay them: a few launches a step instead of hundreds. Eager on
-    # the CPU; with rank="auto" once its plan is settled. Not yet hierarchical.
+    # the CPU; with rank="auto" once its plan is settled.
     cuda_graphs: bool = False
 
     def __post_init__(self):
@@ -131,12 +131,6 @@ class PowerSGDConfig:
         if not (isinstance(self.hierarchical, bool) or self.hierarchical == "auto"):
             raise ValueError(
                 f'hierarchical must be True, False or "auto", got {self.hierarchical!r}'
-            )
-        if self.cuda_graphs and self.hierarchical:
-            raise ValueError(
-                f"cuda_graphs=True is not supported with hierarchical={self.hierarchical!r} "
-                "yet: its step runs bucket by bucket, not in the segments graphs capture; "
-                "use hierarchical=False"
             )
         if self.comm_dtype is not None and self.comm_dtype not in COMM_DTYPES:
             raise ValueError(

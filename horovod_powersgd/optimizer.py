@@ -684,7 +684,8 @@ def DistributedOptimizer(
             calls as CUDA graphs once a step's layout has run eagerly, and replay them
             (graphs.py): a few launches a step instead of hundreds, the same results.
             Eager on the CPU; with rank="auto", only once its plan is settled (its
-            measuring and trial steps run eagerly). Not yet hierarchical (ValueError).
+            measuring and trial steps run eagerly); hierarchical: a segment of each
+            bucket's in turn, as its stages arrive.
             Off by default until a GPU run has shown it correct and faster (docs/gpu.md).
 
     Returns:

@@ -11,6 +11,7 @@ beside the uninterrupted one's, and its statistics.
 import argparse
 import hashlib
 import json
+import os
 import socket
 import warnings
 
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import horovod_powersgd as hps
-from horovod_powersgd import reducer
+from horovod_powersgd import graphs, reducer
 
 
 def model_of(seed=0):
@@ -49,6 +50,8 @@ def digest(model):
 def make(model, args, **kw):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     settings = dict(rank=args.rank, rounds=args.rounds, hierarchical=args.setting)
+    if args.graphs:  # through the recording runner (graphs.py): the CPU's stand-in
+        settings["cuda_graphs"] = True
     if args.auto_link:
         settings["auto_link"] = args.auto_link
     if args.accumulate > 1:
@@ -209,7 +212,10 @@ def main():
     parser.add_argument("--accumulate", type=int, default=1, help="backward_passes_per_step")
     parser.add_argument("--sparse", action="store_true", help="also a sparse embedding's model")
     parser.add_argument("--auto-link", help='rank="auto": plan for this link (auto_link)')
+    parser.add_argument("--graphs", action="store_true", help="cuda_graphs=True, recorded")
     args = parser.parse_args()
+    if args.graphs:
+        os.environ[graphs.ENV] = "record"
     if args.bucket_bytes is not None:
         reducer.BUCKET_BYTES = args.bucket_bytes
     args.setting = {"True": True, "False": False}.get(args.setting, args.setting)
@@ -246,6 +252,11 @@ def main():
         hps.save_checkpoint(path, model, opt)
         train(model, opt, args.steps, start=args.steps)
         row["params"] = digest(model)
+        if args.graphs:  # the same steps eagerly: the same parameters, bit for bit
+            row["replays"] = opt.compressor.graphs.replays
+            eager = model_of()
+            train(eager, make(eager, args, cuda_graphs=False), 2 * args.steps)
+            row["eager_params"] = digest(eager)
         stats = opt.compression_stats(per_layer=True)
         row["bytes_sent"], row["bytes_in_node"] = stats["bytes_sent"], stats.get("bytes_in_node")
         row["layers"] = sorted(layer["name"] for layer in stats["layers"])

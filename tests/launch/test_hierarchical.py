@@ -71,8 +71,26 @@ def assert_contract(rows, full_rank=True, gap=1e-4, compressed=COMPRESSED):
     # worker holds nothing of it (as a large embedding's bucket; it crashed the optimizer's
     # construction on that worker until 2026-12-04). Gradient accumulation
     # (backward_passes_per_step=2): the step is Horovod's average of the summed passes.
-    [[], ["--rounds", "1"], ["--fp16"], ["--bucket-bytes", "1"], ["--accumulate", "2"]],
-    ids=["rounds2", "rounds1", "fp16", "bucket-per-tensor", "accumulate"],
+    # cuda_graphs=True through the recording runner: the contract with each bucket's
+    # segments recorded and replayed, and the same parameters as the eager step's.
+    [
+        [],
+        ["--rounds", "1"],
+        ["--fp16"],
+        ["--bucket-bytes", "1"],
+        ["--accumulate", "2"],
+        ["--graphs"],
+        ["--graphs", "--rounds", "1", "--fp16"],
+    ],
+    ids=[
+        "rounds2",
+        "rounds1",
+        "fp16",
+        "bucket-per-tensor",
+        "accumulate",
+        "graphs",
+        "graphs-rounds1-fp16",
+    ],
 )
 def test_two_nodes_of_two_workers_keep_the_contract(python, tmp_path, options):
     rows = run_job(python, tmp_path, "--steps", "6", *options)
@@ -90,6 +108,8 @@ def test_two_nodes_of_two_workers_keep_the_contract(python, tmp_path, options):
     # The layer statistics agree over the ranks of each share (the mean of its holders).
     for r in rows:
         assert all(v is not None for v in r["relative_error"].values()), r
+    if "--graphs" in options:
+        assert all(r["replays"] > 0 and r["eager_params"] == r["params"] for r in rows), rows
 
 
 @pytest.mark.parametrize("options", [[], ["--bucket-bytes", "1"]], ids=["one-bucket", "per-tensor"])
@@ -200,7 +220,7 @@ def test_the_fashion_mnist_example_trains_hierarchically_on_two_nodes(
 # The hierarchical step's path, the longest rank's (scripts/step_path.py): `make lint` counts
 # the flat and settled-auto steps in one process; this one needs nodes of several workers.
 # Measured 408 lines (rounds=2) and 393 (rounds=1); docs/architecture.md, "One step".
-HIERARCHICAL_STEP_LINES = 445
+HIERARCHICAL_STEP_LINES = 460
 
 
 @pytest.mark.timeout(300)

@@ -215,8 +215,30 @@ def test_without_the_setting_or_on_the_cpu_the_step_is_eager(monkeypatch):
     assert type(make(graphed=True).graphs) is graphs.Eager  # the CPU: nothing to capture
 
 
-@pytest.mark.parametrize("hierarchical", [True, "auto"])
-def test_graphs_with_hierarchical_powersgd_are_refused(hierarchical):
-    with pytest.raises(ValueError, match="hierarchical"):
-        PowerSGDConfig(cuda_graphs=True, hierarchical=hierarchical)
-    PowerSGDConfig(cuda_graphs=True, rank="auto")  # captured once its plan is settled
+@pytest.mark.parametrize("rounds", [2, 1])
+def test_bucket_by_bucket_steps_graphed_equal_eager_bitwise(record, rounds):
+    """The hierarchical reducer's order: each bucket projected, its error updated and
+    decompressed on its own (segments of the bucket), buckets in a different order each
+    step; graphed equals eager bit for bit."""
+    eager, graphed = make(rounds), make(rounds, graphed=True)
+    outs = {}
+    for c in (eager, graphed):
+        outs[c] = []
+        for done in range(8):
+            grads, buckets = gradients(done), [b for b in (0, 1, 2) if c.of(b)]
+            c.begin_step(1, done)
+            order = buckets if done % 2 else buckets[::-1]
+            result = {}
+            for b in order:
+                c.compress_bucket(b, {n: grads[n] for n in c.of(b)[0].names()})
+                sent = c.send_buffers(b)
+                if rounds == 2:
+                    sent = c.project(sent, b)
+                    c.update_error(b)
+                out = {n: torch.full_like(grads[n], float("nan")) for n in c.of(b)[0].names()}
+                result.update({n: t.clone() for n, t in c.decompress(sent, out, b).items()})
+            c.graphs.end()
+            outs[c].append(result)
+    assert_same_steps(outs[eager], outs[graphed])
+    assert_same_state(eager, graphed)
+    assert graphed.graphs.replays > graphed.graphs.captures > 0
