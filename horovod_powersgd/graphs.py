@@ -145,8 +145,10 @@ class _Graphs(Eager):
         else:
             if name in self._taking:
                 raise CaptureError(f"segment {name!r} ran twice in one step")
-            self._taking[name] = self._capture(name, segment, statics)
-            self.captures += 1
+            graph = self._capture(name, segment, statics)
+            if self.mode == "capture":  # else it failed, and the step went on eagerly
+                self._taking[name] = graph
+                self.captures += 1
 
     def end(self) -> None:
         if self.mode == "capture" and self._taking is not None:

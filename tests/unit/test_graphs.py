@@ -242,3 +242,36 @@ def test_bucket_by_bucket_steps_graphed_equal_eager_bitwise(record, rounds):
     assert_same_steps(outs[eager], outs[graphed])
     assert_same_state(eager, graphed)
     assert graphed.graphs.replays > graphed.graphs.captures > 0
+
+
+def test_a_failed_cuda_capture_warns_and_runs_that_step_state_eagerly(monkeypatch):
+    """CudaGraphs where the capture fails (the CPU: CUDA's graph API stood in for, its
+    capture raising): the step's work is done eagerly, once, with one warning, and that
+    key stays eager (no replay of a graph that does not exist)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+    capturing = []  # a capture runs no kernel: the segment below does nothing then
+
+    @contextlib.contextmanager
+    def failing(graph, **kwargs):
+        capturing.append(True)
+        yield
+        capturing.clear()
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: SimpleNamespace())
+    monkeypatch.setattr(torch.cuda, "graph", failing)
+    runner, x = graphs.CudaGraphs([]), torch.ones(2)
+    with pytest.warns(RuntimeWarning, match="could not be captured"):
+        for _ in range(4):
+            runner.begin("k")
+            runner.run("s", lambda: capturing or x.mul_(2), lambda: [x])
+            runner.end()
+    # Step 2's capture failed after the segment's Python ran into it (no kernel ran), then
+    # the segment ran eagerly: every step doubled x once.
+    assert torch.equal(x, torch.full((2,), 16.0))
+    assert runner.failed == {"k"} and runner.replays == 0 and runner.captures == 0
