@@ -72,7 +72,7 @@ def runner_for(enabled: bool, device: torch.device | None, generators: Iterable)
     if os.environ.get(ENV, "") == "record":
         return Recording(generators)
     if device.type == "cuda":
-        return CudaGraphs(generators)
+        return CudaGraphs(generators, device)
     return Eager()  # nothing to capture on the CPU: the same functions, eagerly
 
 
@@ -169,21 +169,34 @@ class _Graphs(Eager):
 class CudaGraphs(_Graphs):
     """Each segment a `torch.cuda.CUDAGraph`, replayed on the current stream."""
 
-    def __init__(self, generators):
+    def __init__(self, generators, device: torch.device):
         super().__init__(generators)
-        self.stream = None
+        self.device, self.stream = device, None
 
-    def _capture(self, name, segment, statics):
+    def _side_stream(self):
+        """The stream captures run on, its lazily made handles and workspaces (cuBLAS,
+        cuSOLVER) made first by a few small operations: a capture cannot make them."""
         if self.stream is None:
             self.stream = torch.cuda.Stream()
+            a = torch.eye(4, device=self.device).expand(2, 4, 4).contiguous()
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                torch.linalg.solve_triangular(torch.bmm(a, a), a, upper=True)
+                torch.linalg.cholesky_ex(a.double())
+                torch.linalg.qr(a)
+            torch.cuda.current_stream().wait_stream(self.stream)
+        return self.stream
+
+    def _capture(self, name, segment, statics):
+        stream = self._side_stream()
         graph = torch.cuda.CUDAGraph()
         for generator in self.generators:
             graph.register_generator_state(generator)
-        self.stream.wait_stream(torch.cuda.current_stream())
+        stream.wait_stream(torch.cuda.current_stream())
         saved = set(layout.HOST_READS_FREE)
         layout.HOST_READS_FREE.clear()
         try:
-            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 segment()
         except Exception as error:  # any failure to capture falls back to eager
             self.failed.add(self.key)
@@ -199,7 +212,7 @@ class CudaGraphs(_Graphs):
             return None
         finally:
             layout.HOST_READS_FREE.update(saved)
-        torch.cuda.current_stream().wait_stream(self.stream)
+        torch.cuda.current_stream().wait_stream(stream)
         graph.replay()  # the capture ran nothing: this step's work
         return graph
 

@@ -265,7 +265,8 @@ def test_a_failed_cuda_capture_warns_and_runs_that_step_state_eagerly(monkeypatc
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: SimpleNamespace())
     monkeypatch.setattr(torch.cuda, "graph", failing)
-    runner, x = graphs.CudaGraphs([]), torch.ones(2)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    runner, x = graphs.CudaGraphs([], torch.device("cpu")), torch.ones(2)
     with pytest.warns(RuntimeWarning, match="could not be captured"):
         for _ in range(4):
             runner.begin("k")
