@@ -806,7 +806,8 @@ class Report(list):
         for config in probe.get("configs", []):
             waits = ", ".join(map(str, sorted(set(config["collective_waits_per_step"].values()))))
             where = f"{probe['model']} on {probe['device']}"
-            self.text(f"### {where}, rounds={config['rounds']}, {config['wire']} wire")
+            graphs = ", cuda_graphs=True" if config.get("graphs") else ""
+            self.text(f"### {where}, rounds={config['rounds']}, {config['wire']} wire{graphs}")
             self.text(
                 f'drift_check_every={every}, statistics every 10 steps. Sync debug mode "error" ',
                 f"on step {config['error_mode_step']}: {config['error_mode']}. Host waits for ",

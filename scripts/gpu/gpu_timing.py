@@ -512,7 +512,8 @@ def _summary(steps: dict[int, list[dict]]) -> list[dict]:
 
 
 def run_syncs(args) -> dict:
-    """SYNC_STEPS steps per configuration (both schedules, float32 and float16 on the wire):
+    """SYNC_STEPS steps per configuration (both schedules, float32 and float16 on the wire;
+    and both schedules with `cuda_graphs=True`, whose "error" step is a replayed one):
     each step's host reads (`HostReads`, tests/parallel/host_reads.py), waits for Horovod's
     collectives and, on CUDA, what ``torch.cuda.set_sync_debug_mode`` reports (it catches
     C++ code's synchronising calls too); then one step in its "error" mode."""
@@ -521,9 +522,11 @@ def run_syncs(args) -> dict:
     clock = Clock(horovod_device(hvd), args.size)
     out = {"device": str(clock.device), "ranks": hvd.size(), "drift_check_every": DRIFT_EVERY}
     out["configs"] = []
-    for rounds, comm_dtype in itertools.product((2, 1), (None, torch.float16)):
+    configs = [(r, dtype, False) for r, dtype in itertools.product((2, 1), (None, torch.float16))]
+    for rounds, comm_dtype, graphed in [*configs, (2, None, True), (1, None, True)]:
         # A fresh model per configuration, as for the whole steps.
         options = dict(rank=4, rounds=rounds, comm_dtype=comm_dtype, drift_check_every=DRIFT_EVERY)
+        options["cuda_graphs"] = graphed
         workload, opt, batch = _training("resnet50", args.size, clock.device, **options)
         out["model"] = workload.description
         counted, synced, waits = {}, {}, {}
@@ -545,6 +548,7 @@ def run_syncs(args) -> dict:
         config = {
             "rounds": rounds,
             "wire": "fp16" if comm_dtype else "fp32",
+            "graphs": graphed,
             "counted": _summary(counted),
             "cuda_sync_debug": _summary(synced),
             "collective_waits_per_step": waits,

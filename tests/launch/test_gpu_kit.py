@@ -106,7 +106,9 @@ def test_the_contract_passes_on_one_and_two_ranks(full_cpu_run):
 @pytest.mark.timeout(600)
 def test_host_reads_of_the_steps_are_the_documented_ones(full_cpu_run):
     probe = full_cpu_run.report["syncs"]["probe"]["result"]
-    assert len(probe["configs"]) == 4  # rounds 2 and 1, fp32 and fp16 on the wire
+    # rounds 2 and 1, fp32 and fp16 on the wire; rounds 2 and 1 with cuda_graphs=True
+    assert len(probe["configs"]) == 6
+    assert [c["graphs"] for c in probe["configs"]] == [False] * 4 + [True] * 2
     for config in probe["configs"]:
         reasons = [gpu_check.classify(e, probe["drift_check_every"]) for e in config["counted"]]
         assert reasons and not [r for r in reasons if r.startswith("NOT")], config["counted"]
