@@ -519,7 +519,8 @@ class PowerSGDCompressor:
         self.graphs = graphs.runner_for(config.cuda_graphs, device, self._generators.values())
         self._outputs: dict[str, torch.Tensor] = {}
         self._held: list = []  # see `hold`
-        self._statics = lambda: graphs.static_tensors(self, held(), self._held)
+        # What a segment may read: every tensor held from step to step (graphs.py).
+        self.statics = lambda: graphs.static_tensors(self, held(), self._held)
         self._build(set(self.ranks))
 
     def _build(self, buckets: set) -> None:
@@ -687,7 +688,7 @@ class PowerSGDCompressor:
             for owners, joins in self._joint.partners[schedule.phase]:
                 schedule.begin_step(owners, joins)
 
-        self.graphs.run("partners", partners, self._statics)
+        self.graphs.run("partners", partners, self.statics)
 
     def project_all(self, p_sums: Mapping) -> dict:
         """rounds=2: `project` of several buckets, bucket -> its summed P buffers (as
@@ -703,7 +704,7 @@ class PowerSGDCompressor:
                 _each(self.schedule.project, list(zip(self.of(b), ps)))
 
         self._joint.projected = whole
-        self.graphs.run("project", project, self._statics)
+        self.graphs.run("project", project, self.statics)
         return {b: [f.q_comm for f in self.of(b)] for b in p_sums}
 
     def compress(self, name: str, grad: torch.Tensor | None) -> None:
@@ -723,7 +724,7 @@ class PowerSGDCompressor:
             if then is not None:
                 then()
 
-        self.graphs.run(("compress", bucket), compress, self._statics)
+        self.graphs.run(("compress", bucket), compress, self.statics)
 
     def hold(self, *objects) -> None:
         """Objects whose tensors a segment may read too (the statistics, `then` of
@@ -735,7 +736,7 @@ class PowerSGDCompressor:
         """The flat buffers of the step's first (rounds=1: only) round, to sum in place."""
         factors = self.of(bucket)
         if any(f.p_comm is not f.p for f in factors):  # a wire dtype of its own: copies
-            self.graphs.run(("wire", bucket), partial(self.schedule.wire, factors), self._statics)
+            self.graphs.run(("wire", bucket), partial(self.schedule.wire, factors), self.statics)
         return [t for f in factors for t in self.schedule.send_buffers(f)]
 
     def project(self, p_sums: list[torch.Tensor], bucket=None) -> list[torch.Tensor]:
@@ -745,19 +746,18 @@ class PowerSGDCompressor:
             qs = self._joint.project(self.schedule, dict(zip(map(id, self.factors), p_sums)))
             return [qs[id(f)] for f in self.factors]
         self._joint.projected, factors = False, self.of(bucket)
-        pairs = list(zip(factors, p_sums))
-        segment = partial(_each, self.schedule.project, pairs)
-        self.graphs.run(("project", bucket), segment, self._statics)
+        segment = partial(_each, self.schedule.project, list(zip(factors, p_sums)))
+        self.graphs.run(("project", bucket), segment, self.statics)
         return [f.q_comm for f in factors]
 
     def update_error(self, bucket=None) -> None:
         """rounds=2: keep what this worker's compression dropped (rounds=1 did in compress);
         bucket None: every bucket's, after `project` of every bucket."""
         if bucket is None and self._joint.projected:
-            self.graphs.run("error", lambda: self._joint.update_error(self.schedule), self._statics)
+            self.graphs.run("error", lambda: self._joint.update_error(self.schedule), self.statics)
             return
         segment = partial(_each, self.schedule.update_error, [(f,) for f in self.of(bucket)])
-        self.graphs.run(("error", bucket), segment, self._statics)
+        self.graphs.run(("error", bucket), segment, self.statics)
 
     def decompress(self, avgs, out=None, bucket=None) -> dict[str, torch.Tensor]:
         """name -> the aggregated gradient, from the averaged (or summed) buffers.
@@ -773,7 +773,7 @@ class PowerSGDCompressor:
             return self._decompress(avgs, out, bucket)
         static = {n: self._outputs[n] for f in self.of(bucket) for n in f.names()}
         segment = partial(self._decompress, list(avgs), static, bucket)
-        self.graphs.run(("decompress", bucket), segment, self._statics)
+        self.graphs.run(("decompress", bucket), segment, self.statics)
         return graphs.copy_out(static, out or {})
 
     def _decompress(self, avgs, out, bucket) -> dict[str, torch.Tensor]:
@@ -795,7 +795,7 @@ class PowerSGDCompressor:
             return self._decompress_all(avgs, out, whole)
         static = {n: self._outputs[n] for b in avgs for f in self.of(b) for n in f.names()}
         self.graphs.run(
-            "decompress", lambda: self._decompress_all(avgs, static, whole), self._statics
+            "decompress", lambda: self._decompress_all(avgs, static, whole), self.statics
         )
         return graphs.copy_out(static, out or {})
 

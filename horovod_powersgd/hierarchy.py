@@ -298,7 +298,6 @@ class HierarchicalReducer(Reducer):
             for bucket in self.sending:
                 if bucket.stage == stage:
                     self._advance(bucket, block=True, once=True)
-        self.compressor.graphs.end()  # the step's segments all ran (captured: complete)
 
     def _scatter(self, bucket: NodeBucket) -> None:
         """Stage 1: the bucket's gradients, reduce-scattered inside the node."""

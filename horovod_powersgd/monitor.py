@@ -320,17 +320,20 @@ class LayerMonitor:
             totals: the optimizer's `compression_stats` (for the log line).
         """
         if compressed and self.names:
-            if self.own:  # (hierarchical: a share may compress nothing) rounds=1 noted the
-                # factors before they were summed in place; the residuals are in the error
-                # buffers until the next step: every bucket's in one fused norm
-                self._note_residuals(factors=self.compressor.config.rounds == 2)
-            self._fold()
+            # On the device only, a segment of the compressor's step (graphs.py: captured
+            # with the others where cuda_graphs is on).
+            self.compressor.graphs.run("statistics", self._fold, self.compressor.statics)
             if step % CHECK_EVERY == 0:
                 self._check(step)
         if self.reporter and self.log_every and step % self.log_every == 0:
             logger.info(self.log_line(totals()))
 
     def _fold(self) -> None:
+        """This step's norms into the moving averages."""
+        if self.own:  # (hierarchical: a share may compress nothing) rounds=1 noted the
+            # factors before they were summed in place; the residuals are in the error
+            # buffers until the next step: every bucket's in one fused norm
+            self._note_residuals(factors=self.compressor.config.rounds == 2)
         grad, residual, sent = self._norms
         error, matrix = self._error_and_matrix(residual, sent)
         relative = error / matrix

@@ -168,8 +168,8 @@ class _DistributedOptimizer:
         """Finish this step's communication; afterwards `p.grad` holds the aggregate.
 
         Parameters whose hook did not fire (unused this step, or gradients set
-        by hand) count as ready now. With rounds=2 the Q round of every bucket
-        starts as soon as its P round is back (here, or already in a hook).
+        by hand) count as ready now. With rounds=2 every bucket's P is projected
+        once all are back, and every Q leaves in one all-reduce.
         """
         if not self._active:
             self._synchronized = True
@@ -187,6 +187,7 @@ class _DistributedOptimizer:
         if state.monitor is not None:  # its warning may raise (-W error) on every rank alike
             # This step's buckets compressed (reset() keeps them).
             state.monitor.end_step(state.step, state.reducer.compressing, self.compression_stats)
+        state.compressor.graphs.end()  # the step's segments all ran (captured: complete)
         state.tuner.end_step(state)  # rank="auto": measure, try, settle (it may change ranks)
         if state.sparse.checks:  # after the first step, a dense model's step skips it
             state.sparse.settle()

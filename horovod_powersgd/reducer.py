@@ -155,8 +155,6 @@ class Reducer:
         self._decompress(
             {b.index: last for b, last in zip(self.sending, factors) if b.factor_count}
         )
-        if self.compressing:  # the step's last segment ran: its graphs, if captured, are whole
-            self.compressor.graphs.end()
 
     def _first_back(self, bucket: Bucket) -> list:
         """Wait for the bucket's first round: its factors lead (returned), its uncompressed
