@@ -127,11 +127,10 @@ class _Schedule:
         and its column norms, M's singular values, bound the factor computed
         against it. That bound sets the scale ((k, 1, 1) per group).
         """
-        scales = batch.split(wire_scale(norms.amax(dim=1, keepdim=True), self.workers))
-        kind = "p" if batch.side == "q" else "q"
+        bound = norms.amax(dim=1, keepdim=True)
+        scales = batch.split(wire_scale(bound, self.workers, out=batch.scales))
         for g, scale in zip(batch.groups, scales):
-            scale = self.partner_scale(g, scale)
-            setattr(g, kind + "_scale", None if scale is None else g.scales[kind].copy_(scale))
+            setattr(g, "p_scale" if batch.side == "q" else "q_scale", self.partner_scale(g, scale))
 
     def _unscale(self, factors: Factors, flat: dict) -> None:
         """float16 wire: divide the powers of two out of the received factors, exactly."""
@@ -334,7 +333,7 @@ class TwoRounds(_Schedule):
         for g, g_norms in zip(batch.groups, batch.split(norms)):
             if g.p_scale is not None:
                 g_norms = g_norms / g.p_scale
-            g.q_scale = g.scales["q"].copy_(wire_scale(g_norms, self.workers))
+            g.q_scale = wire_scale(g_norms, self.workers, out=g.q_scales)
 
     def update_error(self, factors: Factors) -> None:
         """Step 6b: e = M − P̂·Q_wᵀ; needs only this worker's Q_w (overlaps its collective)."""

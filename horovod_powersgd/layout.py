@@ -58,9 +58,10 @@ class ShapeGroup:
     # (k, 1, 1), so that they sit well inside float16's range (linalg.wire_scale).
     p_scale: torch.Tensor | None = None
     q_scale: torch.Tensor | None = None
-    # Where those scales are written each step ("p", "q"; allocated once): a captured
-    # graph reads them where they were (graphs.py).
-    scales: dict = field(default_factory=dict)
+    # Where rounds=2's Q scales are written each step (allocated once; the partners'
+    # are views of their batch's `PaddedBatch.scales`): a captured graph reads them
+    # where they were (graphs.py).
+    q_scales: torch.Tensor | None = None
     # Per-matrix views of the buffers above, made once (`cache_views`): taking
     # `matrices[i]` or a transpose is itself an operation, and on a GPU each
     # operation is a kernel launch or more; a step should not pay for them per
@@ -168,6 +169,9 @@ class PaddedBatch:
             buffer.dtype,
             full[0] if len(set(full)) == 1 else torch.tensor(full, device=buffer.device),
         )
+        # float16 wire: the scales of the factors sent against these partners, per matrix
+        # (k, 1, 1), written in place each step (`wire_scale(out=)`).
+        self.scales = joined.buffer.new_ones(self.spans[-1][1], 1, 1)
         self.index = None  # where each of the batch's elements is read (none: a view)
         if len(groups) == 1:
             g, offset, length = groups[0], offsets[0], lengths[0]
@@ -374,7 +378,7 @@ class Factors:
         for g in groups:
             g.matrices = torch.zeros(g.count, g.n, g.m, dtype=self.dtype, device=self.device)
             if self.scaled:
-                g.scales = {k: self.p.new_ones(g.count, 1, 1) for k in "pq"}
+                g.q_scales = self.p.new_ones(g.count, 1, 1)
             g.first = first
             first += g.count
             g.cache_views()

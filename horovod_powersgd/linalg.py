@@ -219,8 +219,9 @@ def held() -> list[torch.Tensor]:
 WIRE_TARGET = 2.0**10
 
 
-def wire_scale(bound: torch.Tensor, workers: int) -> torch.Tensor:
-    """The power of two that brings numbers up to `bound` to about 2^10 / workers.
+def wire_scale(bound: torch.Tensor, workers: int, out=None) -> torch.Tensor:
+    """The power of two that brings numbers up to `bound` to about 2^10 / workers
+    (written into `out` where given: a buffer a captured graph reads).
 
     Powers of two scale exactly, and the scale only needs `bound`, computed
     from state identical on every rank, so every rank picks the same scale
@@ -228,4 +229,4 @@ def wire_scale(bound: torch.Tensor, workers: int) -> torch.Tensor:
     """
     exponent = torch.floor(torch.log2(WIRE_TARGET / workers / bound)).clamp_(-60, 60)
     usable = torch.isfinite(exponent) & (bound > 0)
-    return torch.where(usable, torch.exp2(exponent), torch.ones_like(bound))
+    return torch.where(usable, torch.exp2(exponent), torch.ones_like(bound), out=out)

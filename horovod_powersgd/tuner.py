@@ -504,10 +504,12 @@ class Tuner:
             raised = planner.raise_failing(self.model, plan, failing, budget)
         # The step time against the settled one, the ranks' mean (1: nothing to compare).
         ratio = 1.0
-        if self.pinned is None and self._window and self._rebase:
-            mean = statistics.median(self._window)
-            mean = self.comm.allreduce_sum(torch.tensor([mean], dtype=torch.float64), "auto.base")
-            self.expected_s, self._rebase = float(mean[0]) / self.comm.size, False
+        if self.pinned is None and self._rebase:  # alike on every rank: one collective
+            mine = [statistics.median(self._window), 1.0] if self._window else [0.0, 0.0]
+            total = self.comm.allreduce_sum(torch.tensor(mine, dtype=torch.float64), "auto.base")
+            if total[1] > 0:  # the mean over the ranks that timed steps
+                self.expected_s = float(total[0] / total[1])
+            self._rebase = False
         if self.pinned is None and self._window:
             ratio = statistics.median(self._window) / self.expected_s
         mean = self.comm.allreduce_sum(torch.tensor([ratio], dtype=torch.float64), "auto.drift")
