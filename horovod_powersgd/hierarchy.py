@@ -17,10 +17,13 @@ NODE_REDUCE, P_ROUND, Q_ROUND (rounds=2) and NODE_GATHER (stages 1-4) while each
 collective is in flight, DONE once `p.grad` holds the aggregate.
 
 A share is about 1/L of each bucket's tensors, balanced by size (largest first
-to the least loaded local rank), the same on every node. Local rank j holds the
-error buffers and memories of its share only: error feedback on the node's
-average, and 1/L of flat PowerSGD's compression work. Its uncompressed tensors
-ride with its P, exactly. Warm-up steps are plain Horovod over all ranks.
+to the least loaded local rank), the same on every node. A tensor too large to
+be one share (a tied embedding's bucket) is split by rows: every share holds a
+block of them and compresses it as a matrix of its own (`shares.owners`,
+`shares.splits`). Local rank j holds the error buffers and memories of its
+share only: error feedback on the node's average, and 1/L of flat PowerSGD's
+compression work. Its uncompressed tensors ride with its P, exactly. Warm-up
+steps are plain Horovod over all ranks.
 
 `decide` turns the setting into a `Hierarchy` (or None: flat), one decision for
 all ranks from one all-gather of what Horovod says of each rank's node.
@@ -38,6 +41,7 @@ import torch
 from . import comm as hvd_comm
 from . import shares
 from .config import COMM_DTYPES
+from .linalg import matrix_shape
 from .reducer import Bucket, Reducer
 
 _ENABLE = (
@@ -64,6 +68,7 @@ class Hierarchy:
         sets = hvd_comm.process_sets(nodes + peers)  # every rank adds every set, in order
         node_set, cross_set = sets[self.cross_rank], sets[len(nodes) + self.local_rank]
         self.nodes, self.peers = nodes, peers
+        self.splits_rows = False  # whether `owners` split a tensor by rows
         self.share_of = [r[0] for r in rows]  # each rank's share (its local rank)
         self.node_of = [r[2] for r in rows]
         node_op = hvd_comm.Sum if comm.op == hvd_comm.Sum else hvd_comm.Average
@@ -72,16 +77,25 @@ class Hierarchy:
         self.cross.tally = comm  # what crosses the node link is what the optimizer sent
 
     @property
-    def key(self) -> list[int]:
-        """The share a state belongs to: [local rank, workers per node] (saved with it)."""
-        return [self.local_rank, self.local_size]
+    def key(self) -> list:
+        """The share a state belongs to: [local rank, workers per node], and "rows" where
+        a tensor is split by rows (saved with it: a state of another layout, such as one
+        saved before tensors were split, does not fit and starts fresh, with a warning)."""
+        return [self.local_rank, self.local_size, *(["rows"] if self.splits_rows else [])]
 
     def compressed(self, reducer: Reducer, config, ranks: dict | None = None) -> list[str]:
         """Every share's compressed parameters, in bucket order (the same on every rank),
         at `config`'s rank or at each bucket's of `ranks` (rank="auto"'s plan)."""
+
+        def compressed(p, rank) -> bool:  # a split tensor: where a share's block is
+            split = reducer.owner[reducer.names[p]] == shares.SPLIT
+            parts = [block_of(p, j, self.local_size) for j in range(self.local_size)] if (
+                split) else [p]  # fmt: skip
+            return any(config.compresses(part.shape, rank) for part in parts)
+
         return [
             reducer.names[p] for b in reducer.buckets for p in b.params
-            if p not in reducer.skip and config.compresses(p.shape, (ranks or {}).get(b.index))
+            if p not in reducer.skip and compressed(p, (ranks or {}).get(b.index))
         ]  # fmt: skip
 
     def root_for(self, root_rank: int) -> int:
@@ -89,10 +103,36 @@ class Hierarchy:
         return self.peers[self.local_rank][self.node_of[root_rank]]
 
     def owners(self, buckets: list[Bucket], names: dict) -> dict[str, int]:
-        """name -> the local rank whose share it is (`shares.owners`: per bucket, largest
-        first to the least loaded)."""
-        split = shares.owners([[p.numel() for p in b.params] for b in buckets], self.local_size)
+        """name -> the local rank whose share it is, or `shares.SPLIT` (a block of its
+        rows in every share): `shares.owners`, per bucket."""
+        sizes = [[p.numel() for p in b.params] for b in buckets]
+        shapes = [[matrix_shape(p.shape) if p.dim() else (1, 1) for p in b.params] for b in buckets]
+        split = shares.owners(sizes, self.local_size, shapes)
+        self.splits_rows = any(j == shares.SPLIT for owner in split for j in owner)
         return {names[p]: j for b, owner in zip(buckets, split) for p, j in zip(b.params, owner)}
+
+    def mine(self, params: list, owner: dict, names: dict) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of this share's parameters: the whole tensor, or this share's
+        block of a split one's rows (what its compressor holds)."""
+        out = []
+        for p in params:
+            j = owner[names[p]]
+            if j == shares.SPLIT:
+                out.append((names[p], block_of(p.detach(), self.local_rank, self.local_size)))
+            elif j == self.local_rank:
+                out.append((names[p], p))
+        return out
+
+
+def rows_of(p: torch.Tensor) -> int:
+    """The rows a split would share out: the first dimension (matrix_shape's n)."""
+    return p.shape[0] if p.dim() else 1
+
+
+def block_of(tensor: torch.Tensor, share: int, local_size: int) -> torch.Tensor:
+    """Share `share`'s block of a split tensor's rows (a view)."""
+    start, stop = shares.blocks(rows_of(tensor), local_size)[share]
+    return tensor[start:stop]
 
 
 def check(setting, process_set, elastic: bool) -> bool:
@@ -155,8 +195,11 @@ class _Pack:
 
     Scattered (`build(True)`): an (L, longest share) tensor whose row j is local
     rank j's share, zero-padded; reduce-scattered in stage 1, all-gathered in 4.
-    Where a bucket is one large tensor and little else, the padding would make
-    that L times the bucket; such a bucket is reduced whole (`build(False)`):
+    A tensor too large to be one share is split: a block of its rows in every
+    row (`shares.owners`), the pieces of it that each share compresses alone.
+    Where the shares stay uneven (a large tensor of fewer rows than workers),
+    the padding could make the rows L times the bucket; such a bucket is reduced
+    whole (`build(False)`):
     the bucket as one flat tensor, all-reduced (averaged) in stage 1 and, with
     every share but this worker's zeroed, summed in stage 4. Scattered moves
     (L-1)·(longest share) per worker and stage, reduced 2(L-1)/L of the bucket:
@@ -165,13 +208,26 @@ class _Pack:
 
     def __init__(self, params: list, owner: dict, names: dict, local_size: int, me: int):
         self.params, self.local_size, self.me = params, local_size, me
-        self.sizes, self.owner = [p.numel() for p in params], [owner[names[p]] for p in params]
         offsets, flat = [0] * local_size, 0
-        self.where = []  # per param: (owner, offset in its row, offset in the flat bucket, numel)
-        for n, j in zip(self.sizes, self.owner):
-            self.where.append((j, offsets[j], flat, n))
-            offsets[j] += n
-            flat += n
+        # Per piece (a tensor, or a block of a split one's rows, `shares.SPLIT`): (param,
+        # its rows or None for all, owner, offset in the owner's row, in the flat bucket,
+        # numel, shape).
+        self.where = []
+        for p in params:
+            j, n = owner[names[p]], p.numel()
+            parts = [(None, j)]
+            if j == shares.SPLIT:
+                parts = [(rows, k) for k, rows in enumerate(shares.blocks(rows_of(p), local_size))]
+            for rows, k in parts:
+                size, shape = n, p.shape
+                if rows is not None:
+                    size = n // rows_of(p) * (rows[1] - rows[0])
+                    shape = (rows[1] - rows[0], *p.shape[1:])
+                self.where.append((p, rows, k, offsets[k], flat, size, shape))
+                offsets[k] += size
+                flat += size
+        self.sizes = [w[5] for w in self.where]
+        self.owner = [w[2] for w in self.where]
         self.length, self.total = max(1, *offsets), max(1, flat)
         dtype = params[0].dtype
         self.dtype = dtype if dtype in COMM_DTYPES else torch.float32
@@ -191,19 +247,27 @@ class _Pack:
             for _, view in self.views(self.mask, self.me):
                 view.fill_(1)
 
+    def grads(self) -> list[torch.Tensor]:
+        """Each piece's part of its `p.grad`, in `views(result)`'s order."""
+        return [
+            p.grad if rows is None else p.grad[rows[0] : rows[1]]
+            for p, rows, *_ in self.where
+        ]  # fmt: skip
+
     def views(self, result: torch.Tensor, share: int | None = None) -> list:
-        """(param, its view) in `result`: the whole bucket (share None) or one share's
-        tensors. Scattered: (L, longest) for the bucket, (longest,) for a share."""
+        """(param, the view of its piece) in `result`: the whole bucket's pieces (share
+        None) or one share's (a split tensor's block there). Scattered: (L, longest) for
+        the bucket, (longest,) for a share."""
         out = []
-        for p, (j, row_offset, flat_offset, n) in zip(self.params, self.where):
+        for p, _, j, row_offset, flat_offset, n, shape in self.where:
             if share is not None and j != share:
                 continue
             if not self.scattered:
-                out.append((p, result[flat_offset : flat_offset + n].view(p.shape)))
+                out.append((p, result[flat_offset : flat_offset + n].view(shape)))
             elif share is None:
-                out.append((p, result[j, row_offset : row_offset + n].view(p.shape)))
+                out.append((p, result[j, row_offset : row_offset + n].view(shape)))
             else:
-                out.append((p, result[row_offset : row_offset + n].view(p.shape)))
+                out.append((p, result[row_offset : row_offset + n].view(shape)))
         return out
 
 
@@ -265,7 +329,8 @@ class HierarchicalReducer(Reducer):
             b.scattered = shares.scatters([(k.sizes, k.owner) for k in b.packs], size)
             for pack in b.packs:
                 pack.build(b.scattered)
-            b.shared_plain = [p for p in b.dense if self.owner[self.names[p]] == me]
+            ours = (me, shares.SPLIT)  # a split tensor: this share's block of it
+            b.shared_plain = [p for p in b.dense if self.owner[self.names[p]] in ours]
             b.shared_plain = [p for p in b.shared_plain if p not in self._compressed]
             b.stage = Stage.WAITING
 
@@ -305,7 +370,7 @@ class HierarchicalReducer(Reducer):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         for pack in bucket.packs:
-            torch._foreach_copy_(pack.send_views, [p.grad for p in pack.params])
+            torch._foreach_copy_(pack.send_views, pack.grads())
         bucket.stage = Stage.NODE_REDUCE
         buffers, node = [pack.buffer for pack in bucket.packs], self.hierarchy.node
         if bucket.scattered:
@@ -396,7 +461,6 @@ class HierarchicalReducer(Reducer):
     def _unpack(self, bucket: NodeBucket, gathered) -> None:
         """Every worker's `p.grad` := the bucket's aggregate, from the gathered sections."""
         for pack, rows in zip(bucket.packs, gathered):
-            pairs = pack.views(rows)
-            torch._foreach_copy_([p.grad for p, _ in pairs], [v for _, v in pairs])
+            torch._foreach_copy_(pack.grads(), [v for _, v in pack.views(rows)])
         bucket.stage = Stage.DONE
         bucket.sections = bucket.share_views = None

@@ -1,4 +1,4 @@
-"""Hierarchical PowerSGD's shares of a node's work, from tensor sizes alone (pure).
+"""Hierarchical PowerSGD's shares of a node's work, from tensor sizes and shapes alone (pure).
 
 `hierarchy.py` splits each bucket among a node's L workers and lays out the
 node's collectives by these functions; `bench/scale.py` predicts a hierarchical
@@ -10,27 +10,81 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+SPLIT = -1  # an owner: the tensor is split by rows, a block to every share (`blocks`)
+# The most a split may add to its tensor's factor bytes: each block is its own rank-r
+# matrix, so the node sends L Qs (m x r each) where one worker would send one; P is
+# shared out. Relative to (n + m)·r, whatever the rank.
+SPLIT_COST = 1 / 8
 
-def owners(buckets: Sequence[Sequence[int]], local_size: int) -> list[list[int]]:
+
+def owners(
+    buckets: Sequence[Sequence[int]],
+    local_size: int,
+    shapes: Sequence[Sequence[tuple[int, int]]] | None = None,
+) -> list[list[int]]:
     """Per bucket (its tensors' element counts, in bucket order), each tensor's owner:
-    the local rank whose share it is. Largest first to the least loaded (ties: the
-    least loaded over the buckets before, then the lowest rank).
+    the local rank whose share it is, or SPLIT.
+
+    A tensor larger than its bucket's total / L cannot be one share of a balanced
+    node: given `shapes` (each tensor's matrix shape, n x m) it is split, a block of
+    its rows to every share (`blocks`), where `splits` allows. The others go largest
+    first to the least loaded (ties: the least loaded over the buckets before, then
+    the lowest rank).
 
     Example:
-        >>> owners([[100, 60, 50], [10]], 2)
-        [[0, 1, 1], [0]]
+        >>> owners([[100, 60, 50], [10]], 2), owners([[100, 10]], 2, [[(50, 2), (10, 1)]])
+        ([[0, 1, 1], [0]], [[-1, 0]])
     """
     total = [0] * local_size
     out = []
-    for sizes in buckets:
+    for b, sizes in enumerate(buckets):
         load = [0] * local_size
         owner = [0] * len(sizes)
+        whole = sum(sizes)
+        for i, n in enumerate(sizes):
+            if shapes is not None and n * local_size > whole and splits(*shapes[b][i], local_size):
+                owner[i] = SPLIT
+                rows = shapes[b][i][0]
+                for j, (start, stop) in enumerate(blocks(rows, local_size)):
+                    load[j] += n // rows * (stop - start)
+                    total[j] += n // rows * (stop - start)
         for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):  # stable: ties keep order
+            if owner[i] == SPLIT:
+                continue
             j = min(range(local_size), key=lambda j: (load[j], total[j], j))
             owner[i] = j
             load[j] += sizes[i]
             total[j] += sizes[i]
         out.append(owner)
+    return out
+
+
+def splits(n: int, m: int, local_size: int) -> bool:
+    """Whether an n x m matrix may be split by rows among L workers: a row each at least,
+    and its L-1 extra Qs at most SPLIT_COST of its factors (an embedding of 50,257 x 768
+    at L = 8, not a 1,000 x 2,048 classifier).
+
+    Example:
+        >>> splits(50257, 768, 8), splits(1000, 2048, 2), splits(4096, 1, 2)
+        (True, False, True)
+    """
+    return n >= local_size and (local_size - 1) * m <= SPLIT_COST * (n + m)
+
+
+def blocks(rows: int, local_size: int) -> list[tuple[int, int]]:
+    """A split tensor's rows, [start, stop) per share: as even as can be, the first shares
+    a row more.
+
+    Example:
+        >>> blocks(7, 3)
+        [(0, 3), (3, 5), (5, 7)]
+    """
+    base, extra = divmod(rows, local_size)
+    out, start = [], 0
+    for j in range(local_size):
+        stop = start + base + (j < extra)
+        out.append((start, stop))
+        start = stop
     return out
 
 

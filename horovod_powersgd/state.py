@@ -239,9 +239,9 @@ def build(params, names: dict, buckets, config, comm, hierarchy):
     """(`hierarchy`, compressor, reducer) of an optimizer: flat (None), or this rank's share
     of its node (hierarchy.py: the node's workers each compress a share of every bucket)."""
     owner = hierarchy.owners(buckets, names) if hierarchy else None
-    mine = [p for p in params if owner is None or owner[names[p]] == hierarchy.local_rank]
+    mine = hierarchy.mine(params, owner, names) if hierarchy else [(names[p], p) for p in params]
     compressor = PowerSGDCompressor(
-        [(names[p], p) for p in mine],
+        mine,
         config,
         bucket_of={names[p]: b.index for b in buckets for p in b.params},
     )

@@ -108,6 +108,15 @@ class Tensor:
     element_bytes: int  # of the gradient (what the node's collectives carry)
     wire_bytes: float  # sent uncompressed: numel x the wire's element size
     factors: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank -> (P, Q) bytes
+    rows: int = 0  # its first dimension, the rows a node's split shares out (0: not known)
+
+    def block(self, rows: int) -> Tensor:
+        """`rows` of this tensor's rows (a split's block, `shares.blocks`): its part of
+        the elements and of P; all of Q (each block is its own rank-r matrix)."""
+        part = rows / self.rows
+        factors = {r: (p * part, q) for r, (p, q) in self.factors.items()}
+        return Tensor(self.numel // self.rows * rows, self.element_bytes,
+                      self.wire_bytes * part, factors, rows)  # fmt: skip
 
 
 def message_bytes(tensors: Sequence[Tensor], rank: int, rounds: int) -> tuple[float, float]:
@@ -278,6 +287,7 @@ class Measurements:
                             t.element_bytes,
                             t.wire_bytes,
                             {str(r): f for r, f in t.factors.items()},
+                            t.rows,
                         ]
                         for t in b.tensors
                     ],
@@ -456,15 +466,18 @@ def _factors(value, path: str) -> tuple[float, float]:
 
 
 def _tensor(value, path: str) -> Tensor:
-    shape = isinstance(value, list) and len(value) == 4
-    _expect(shape, path, "[numel, element bytes, wire bytes, {rank: [P, Q]}]", value)
-    numel, element_bytes, wire_bytes, factors = value
+    shape = isinstance(value, list) and len(value) in (4, 5)  # rows: not in older profiles
+    _expect(shape, path, "[numel, element bytes, wire bytes, {rank: [P, Q]}, rows]", value)
+    numel, element_bytes, wire_bytes, factors, *rows = value
     _expect(_is_integer(numel) and numel >= 0, f"{path}[0]", "an integer >= 0", numel)
+    rows = rows[0] if rows else 0
+    _expect(_is_integer(rows) and rows >= 0, f"{path}[4]", "an integer >= 0", rows)
     return Tensor(
         numel,
         _integer(element_bytes, f"{path}[1]"),
         _number(wire_bytes, f"{path}[2]"),
         _ranks(factors, f"{path}[3]", _factors),
+        rows,
     )
 
 
@@ -573,16 +586,16 @@ def hierarchical(m: Measurements, cluster) -> list[Measurements]:
     ranks = sorted({r for b in m.buckets for r in b.options})
     if not all(b.tensors for b in m.buckets):
         return [_even_shares(m, cluster, ranks)]
-    split = shares.owners([[t.numel for t in b.tensors] for b in m.buckets], per_node)
-    stages = [_node_stages(b.tensors, owner, cluster) for b, owner in zip(m.buckets, split)]
+    pieces = _pieces(m.buckets, per_node)
+    stages = [_node_stages(tensors, owner, cluster) for tensors, owner in pieces]
     out = []
     for j in range(per_node):
         buckets = []
-        for b, owner, (before, after) in zip(m.buckets, split, stages):
-            mine = [t for t, k in zip(b.tensors, owner) if k == j]
+        for b, (tensors, owner), (before, after) in zip(m.buckets, pieces, stages):
+            mine = [t for t, k in zip(tensors, owner) if k == j]
             options = {}
             for r in ranks:
-                compressed = sum(t.numel for t in b.tensors if r in t.factors)
+                compressed = sum(t.numel for t in tensors if r in t.factors)
                 part = (
                     sum(t.numel for t in mine if r in t.factors) / compressed if compressed else 0
                 )
@@ -630,6 +643,28 @@ class NodeSteps:
 
     def with_link(self, link: Hop) -> NodeSteps:
         return dataclasses.replace(self, flat=self.flat.with_link(link))
+
+
+def _pieces(buckets, per_node: int) -> list[tuple[list[Tensor], list[int]]]:
+    """Per bucket, its tensors as the node shares them (`shares.owners`): a split one as
+    its L blocks, and each piece's owner. A tensor of unknown rows (a profile from before
+    they were recorded) is not split."""
+    sizes = [[t.numel for t in b.tensors] for b in buckets]
+    shapes = [[(t.rows, t.numel // t.rows) if t.rows else (0, 0) for t in b.tensors]
+              for b in buckets]  # fmt: skip
+    out = []
+    for b, owner in zip(buckets, shares.owners(sizes, per_node, shapes)):
+        tensors, owners = [], []
+        for t, j in zip(b.tensors, owner):
+            if j != shares.SPLIT:
+                tensors.append(t)
+                owners.append(j)
+                continue
+            for k, (start, stop) in enumerate(shares.blocks(t.rows, per_node)):
+                tensors.append(t.block(stop - start))
+                owners.append(k)
+        out.append((tensors, owners))
+    return out
 
 
 def _node_stages(tensors, owner, cluster) -> tuple[float, float]:

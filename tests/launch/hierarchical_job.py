@@ -1,7 +1,8 @@
 """Hierarchical PowerSGD on a cluster of nodes (scripts/nodes/two_nodes.sh runs it): the contract.
 
 argv: a directory for checkpoints, then options (`--rounds N`, `--fp16`,
-`--setting True|auto|False`, `--accumulate K`: backward_passes_per_step).
+`--setting True|auto|False`, `--accumulate K`: backward_passes_per_step, `--tall`: a
+first weight the node splits by rows, ...: `--help`).
 Every rank prints one JSON line (`hier_job {...}`):
 where it ran, digests of its parameters after training, the steps' largest
 difference from plain Horovod's average at full rank, a resumed run's digest
@@ -21,12 +22,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import horovod_powersgd as hps
-from horovod_powersgd import graphs, reducer
+from horovod_powersgd import graphs, reducer, shares
+
+HIDDEN = [24]  # --tall: 160, a first weight of 160 x 16 that the node splits by rows
 
 
 def model_of(seed=0):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 24), nn.ReLU(),
+    hidden = HIDDEN[0]
+    return nn.Sequential(nn.Linear(16, hidden), nn.ReLU(), nn.Linear(hidden, 24), nn.ReLU(),
                          nn.Linear(24, 6), nn.Conv1d(1, 1, 1))  # fmt: skip
 
 
@@ -213,11 +217,14 @@ def main():
     parser.add_argument("--sparse", action="store_true", help="also a sparse embedding's model")
     parser.add_argument("--auto-link", help='rank="auto": plan for this link (auto_link)')
     parser.add_argument("--graphs", action="store_true", help="cuda_graphs=True, recorded")
+    parser.add_argument("--tall", action="store_true", help="a first layer of 160 x 16")
     args = parser.parse_args()
     if args.graphs:
         os.environ[graphs.ENV] = "record"
     if args.bucket_bytes is not None:
         reducer.BUCKET_BYTES = args.bucket_bytes
+    if args.tall:
+        HIDDEN[0] = 160
     args.setting = {"True": True, "False": False}.get(args.setting, args.setting)
     args.rank = args.rank if args.rank == "auto" else int(args.rank)
     if args.static:
@@ -241,6 +248,9 @@ def main():
             row["error"] = str(e)
             return done(row)
         row["hierarchical"] = opt.powersgd_state.hierarchy is not None
+        if row["hierarchical"]:  # the tensors split by rows among the node's shares
+            owner = opt.powersgd_state.reducer.owner
+            row["split"] = sorted(name for name, j in owner.items() if j == shares.SPLIT)
         train(model, opt, args.steps)
         if args.force_rank is not None:
             force_plan(model, opt, args)

@@ -36,7 +36,7 @@ def run_job(python, tmp_path, *options, per_node="2", expect_ok=True):
 COMPRESSED = ("0.weight", "2.weight", "4.weight")  # the job's model at rank 2
 
 
-def assert_contract(rows, full_rank=True, gap=1e-4, compressed=COMPRESSED):
+def assert_contract(rows, full_rank=True, gap=1e-4, compressed=COMPRESSED, split=()):
     # Every worker of every node steps on the same gradient: identical parameters.
     assert len({r["params"] for r in rows}) == 1, rows
     # save_checkpoint / load_checkpoint resume every worker's share bit for bit.
@@ -46,15 +46,18 @@ def assert_contract(rows, full_rank=True, gap=1e-4, compressed=COMPRESSED):
     # gradients under float16's range arrive as zero (a gap of 1.0, flat as well).
     if full_rank:
         assert max(r["full_rank_gap"] for r in rows) < gap, rows
-    # The shares split the compressed layers: disjoint per local rank, the same on
-    # both nodes, together every compressed layer of the model.
+    # The shares split the compressed layers: each in one share, or in every share where
+    # the node split it by rows (`split`); the same on both nodes; together every
+    # compressed layer of the model.
     shares = {}
     for r in rows:
         shares.setdefault(r["local_rank"], set()).add(tuple(r["layers"]))
     assert all(len(v) == 1 for v in shares.values()), shares
     layers = [set(next(iter(v))) for v in shares.values()]
     assert set.union(*layers) == set(compressed)
-    assert sum(len(s) for s in layers) == len(compressed)
+    for name in compressed:
+        holders = sum(name in s for s in layers)
+        assert holders == (len(layers) if name in split else 1), (name, layers)
     assert all(r["bytes_in_node"] > 0 and r["bytes_sent"] > 0 for r in rows)
     # Horovod's rank-0 resume: identical parameters after it, rank 0's step counter.
     assert len({r["rank0_resume"] for r in rows}) == 1, rows
@@ -81,6 +84,8 @@ def assert_contract(rows, full_rank=True, gap=1e-4, compressed=COMPRESSED):
         ["--accumulate", "2"],
         ["--graphs"],
         ["--graphs", "--rounds", "1", "--fp16"],
+        ["--tall", "--bucket-bytes", "1"],
+        ["--tall", "--bucket-bytes", "1", "--rounds", "1"],
     ],
     ids=[
         "rounds2",
@@ -90,6 +95,8 @@ def assert_contract(rows, full_rank=True, gap=1e-4, compressed=COMPRESSED):
         "accumulate",
         "graphs",
         "graphs-rounds1-fp16",
+        "split",
+        "split-rounds1",
     ],
 )
 def test_two_nodes_of_two_workers_keep_the_contract(python, tmp_path, options):
@@ -99,7 +106,12 @@ def test_two_nodes_of_two_workers_keep_the_contract(python, tmp_path, options):
     # round-off carried by error feedback over the 6 steps); a wrong average is off by
     # order 1, so 1e-3 keeps 45x of margin for another CPU's rounding.
     gap = 1e-3 if "--accumulate" in options else 1e-4
-    assert_contract(rows, full_rank="--fp16" not in options, gap=gap)
+    # --tall: the 160 x 16 first weight is split by rows, each share compressing its
+    # block (shares.splits); the biases of a bucket of their own are split too (exact).
+    split = ("0.weight",) if "--tall" in options else ()
+    if "--tall" in options:
+        assert all(r["split"] == ["0.bias", "0.weight", "2.bias"] for r in rows), rows
+    assert_contract(rows, full_rank="--fp16" not in options, gap=gap, split=split)
     # After backward, four dependent rounds of collectives at most (three with rounds=1:
     # node, P, node), however many buckets: a wave per stage (HierarchicalReducer.finish).
     # Bucket by bucket, each wait came after the last bucket's: 2 or 3 per bucket more.

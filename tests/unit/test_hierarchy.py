@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from horovod_powersgd import comm as hvd_comm
-from horovod_powersgd import hierarchy
+from horovod_powersgd import hierarchy, shares
 from horovod_powersgd.reducer import make_buckets
 
 
@@ -31,9 +31,59 @@ def test_shares_split_each_bucket_by_size_the_same_way_every_time():
 
 
 def test_more_workers_per_node_than_tensors_leaves_some_shares_empty():
-    params = [torch.zeros(32, 32), torch.zeros(32)]
+    # The large tensor has fewer rows than workers: it cannot be split by rows.
+    params = [torch.zeros(2, 512), torch.zeros(32)]
     owner, _, _ = owners_of(params, 4)
     assert sorted(owner.values()) == [0, 1]  # one tensor each to the first two
+
+
+def test_a_tensor_too_large_for_one_share_is_split_by_rows_across_the_node():
+    """A bucket of one large tensor (a tied embedding) would be one worker's work while
+    the others wait: it is split, a block of its rows to every share, and the rest of
+    the bucket balanced around it; the same split on every rank (shapes alone)."""
+    params = [torch.zeros(7, 10), torch.zeros(10)]
+    with pytest.MonkeyPatch.context() as patch:  # a tiny matrix stands in for a large one
+        patch.setattr(shares, "SPLIT_COST", 4.0)
+        owner, names, buckets = owners_of(params, 3)
+        # The share's key, saved with its state, says so: a state of the layout before
+        # (the tensor one share's) does not fit and starts fresh, with a warning.
+        node = types.SimpleNamespace(local_rank=1, local_size=3, splits_rows=False)
+        assert hierarchy.Hierarchy.key.fget(node) == [1, 3]
+        hierarchy.Hierarchy.owners(node, buckets, names)
+        assert hierarchy.Hierarchy.key.fget(node) == [1, 3, "rows"]
+    assert owner == {"p0": shares.SPLIT, "p1": 1}  # to the least loaded after it
+    assert shares.blocks(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    # Not a matrix whose extra Qs would cost more than SPLIT_COST of its factors.
+    assert owners_of(params, 3)[0] == {"p0": 0, "p1": 1}
+    me = types.SimpleNamespace(local_rank=1, local_size=3)
+    mine = hierarchy.Hierarchy.mine(me, params, owner, names)
+    # Rows 3-4 of p0, what it compresses, and p1 whole.
+    assert [(n, t.shape) for n, t in mine] == [("p0", (2, 10)), ("p1", (10,))]
+    assert mine[0][1].data_ptr() == params[0][3].data_ptr()
+    # The node's pack: each share's block in its row, balanced (30, 20+10, 20); the bucket
+    # scattered, no longer reduced whole; a block's view has the block's shape.
+    pack = hierarchy._Pack(params, owner, names, 3, me=1)
+    assert pack.sizes == [30, 20, 20, 10] and pack.owner == [0, 1, 2, 1]
+    scattered, whole = pack.padded_work()
+    assert scattered < whole
+    pack.build(scattered=True)
+    assert pack.buffer.shape == (3, 30)
+    grads = [torch.arange(70.0).view(7, 10), torch.arange(10.0) + 100]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    torch._foreach_copy_(pack.send_views, pack.grads())
+    share = dict(pack.views(pack.buffer[1], share=1))
+    assert torch.equal(share[params[0]], grads[0][3:5])
+    assert torch.equal(pack.buffer[1, 20:], grads[1])
+    # Back into p.grad from the gathered rows, every block in its place.
+    for p in params:
+        p.grad.zero_()
+    torch._foreach_copy_(pack.grads(), [v for _, v in pack.views(pack.buffer)])
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))
+    # Reduced whole (the padding test's other branch): the blocks tile the flat bucket.
+    pack.build(scattered=False)
+    assert torch.equal(pack.mask, torch.cat([torch.zeros(30), torch.ones(20), torch.zeros(20),
+                                             torch.ones(10)]))  # fmt: skip
 
 
 def test_a_pack_lays_out_each_share_in_its_row_padded_to_the_longest():

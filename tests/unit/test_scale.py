@@ -1,5 +1,6 @@
 """The step model at scale: collective costs worked by hand, profiles, the scale CLI."""
 
+import dataclasses
 import json
 import math
 
@@ -175,18 +176,19 @@ def test_hierarchical_powersgd_step_worked_by_hand():
 
 
 def test_hierarchical_powersgd_shares_the_tensors_as_the_library_does():
-    """With the profile's tensors: bucket A is one large tensor (local rank 0's share,
-    reduced whole in the node: a tie at L = 2), bucket B two equal ones (one each,
-    scattered). Each share's work is its part of the compressed elements, its bytes
-    its tensors' factors; the step is the slowest share's."""
-    big = stepmodel.Tensor(numel=10**6, element_bytes=4, wire_bytes=4e6, factors={2: (8e3, 4e3)})
+    """With the profile's tensors: bucket A is one large tensor of one row (it cannot be
+    split: local rank 0's share, reduced whole in the node: a tie at L = 2), bucket B two
+    equal ones (one each, scattered). Each share's work is its part of the compressed
+    elements, its bytes its tensors' factors; the step is the slowest share's."""
+    big = stepmodel.Tensor(10**6, element_bytes=4, wire_bytes=4e6, factors={2: (8e3, 4e3)}, rows=1)
     small = stepmodel.Tensor(numel=10**5, element_bytes=4, wire_bytes=4e5, factors={2: (800, 400)})
     a = stepmodel.Bucket(0.01, 4e6, {2: stepmodel.Option(0.004, 0.01, 8e3, 4e3)}, (big,))
     b = stepmodel.Bucket(0.02, 8e5, {2: stepmodel.Option(0.002, 0.004, 1600, 800)}, (small, small))
     link = Hop(latency_s=1e-4, bytes_per_s=1e9)
     m = stepmodel.Measurements((a, b), backward_s=0.02, step_s=0.1, link=link, rest_s=0.05)
     c = Cluster(nodes=2, per_node=2, intra=Hop(1e-6, 1e9), inter=Hop(1e-4, 1e8))
-    assert shares.owners([[10**6], [10**5, 10**5]], 2) == [[0], [1, 0]]
+    shapes = [[(1, 10**6)], [(0, 0)] * 2]  # one row; (0, 0): not known
+    assert shares.owners([[10**6], [10**5, 10**5]], 2, shapes) == [[0], [1, 0]]
     whole = 2 * 1e-6 + 4e6 / 1e9  # a 2-worker ring all-reduce of bucket A (twice)
     rows = 1e-6 + 0.5 * (2 * 10**5 * 4) / 1e9  # reduce-scatter / all-gather of B's 2 rows
 
@@ -212,6 +214,31 @@ def test_hierarchical_powersgd_shares_the_tensors_as_the_library_does():
     # The profile's JSON keeps the tensors.
     again = stepmodel.Measurements.from_dict(json.loads(json.dumps(m.to_dict())))
     assert again.buckets[1].tensors == (small, small)
+    assert again.buckets[0].tensors == (big,)
+
+
+def test_a_tensor_too_large_for_one_share_is_modelled_split_as_the_library_splits_it():
+    """Bucket A's 100,000 x 10 tensor is split (shares.owners): each share compresses
+    half of its rows, its own rank-2 matrix (half of P, all of Q), and the node scatters
+    the two halves instead of reducing the bucket whole; the shares' steps are equal,
+    and shorter than with the tensor one share's work."""
+    factors = {2: (8e3, 4e3)}
+    big = stepmodel.Tensor(10**6, element_bytes=4, wire_bytes=4e6, factors=factors, rows=10**5)
+    a = stepmodel.Bucket(0.01, 4e6, {2: stepmodel.Option(0.004, 0.01, 8e3, 4e3)}, (big,))
+    link = Hop(latency_s=1e-4, bytes_per_s=1e9)
+    m = stepmodel.Measurements((a,), backward_s=0.02, step_s=0.1, link=link, rest_s=0.05)
+    c = Cluster(nodes=2, per_node=2, intra=Hop(1e-6, 1e9), inter=Hop(1e-4, 1e8))
+    zero, one = stepmodel.hierarchical(m, c)
+    for share in (zero, one):
+        option = share.buckets[0].options[2]
+        assert (option.compress_s, option.work_s) == pytest.approx((0.002, 0.005))
+        assert (option.round1_bytes, option.round2_bytes) == pytest.approx((4e3, 4e3))
+        # A reduce-scatter of two rows of 500,000 float32, not the bucket all-reduced.
+        assert option.before_s == pytest.approx(1e-6 + 0.5 * (2 * 5 * 10**5 * 4) / 1e9)
+    assert stepmodel.predict(zero, [2]) == pytest.approx(stepmodel.predict(one, [2]))
+    whole = dataclasses.replace(m, buckets=(dataclasses.replace(
+        a, tensors=(dataclasses.replace(big, rows=1),)),))  # fmt: skip
+    assert stepmodel.hierarchical_s(m, c, 2) < stepmodel.hierarchical_s(whole, c, 2)
 
 
 def test_compute_under_compression_comes_from_the_jobs_own_compressed_steps(tmp_path, capsys):
