@@ -86,6 +86,7 @@ def assert_contract(rows, full_rank=True, gap=1e-4, compressed=COMPRESSED, split
         ["--graphs", "--rounds", "1", "--fp16"],
         ["--tall", "--bucket-bytes", "1"],
         ["--tall", "--bucket-bytes", "1", "--rounds", "1"],
+        ["--tall", "--bucket-bytes", "1", "--graphs", "--fp16"],
     ],
     ids=[
         "rounds2",
@@ -97,6 +98,7 @@ def assert_contract(rows, full_rank=True, gap=1e-4, compressed=COMPRESSED, split
         "graphs-rounds1-fp16",
         "split",
         "split-rounds1",
+        "split-graphs-fp16",
     ],
 )
 def test_two_nodes_of_two_workers_keep_the_contract(python, tmp_path, options):
