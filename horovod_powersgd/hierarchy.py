@@ -18,9 +18,9 @@ collective is in flight, DONE once `p.grad` holds the aggregate.
 
 A share is about 1/L of each bucket's tensors, balanced by size (largest first
 to the least loaded local rank), the same on every node. A tensor too large to
-be one share (a tied embedding's bucket) is split by rows: every share holds a
-block of them and compresses it as a matrix of its own (`shares.owners`,
-`shares.splits`). Local rank j holds the error buffers and memories of its
+be one share (a tied embedding's bucket) is split by rows (a wide matrix by
+columns): every share holds a block and compresses it as a matrix of its own
+(`shares.owners`, `shares.split_of`). Local rank j holds the error buffers and memories of its
 share only: error feedback on the node's average, and 1/L of flat PowerSGD's
 compression work. Its uncompressed tensors ride with its P, exactly. Warm-up
 steps are plain Horovod over all ranks.
@@ -41,7 +41,6 @@ import torch
 from . import comm as hvd_comm
 from . import shares
 from .config import COMM_DTYPES
-from .linalg import matrix_shape
 from .reducer import Bucket, Reducer
 
 _ENABLE = (
@@ -68,7 +67,7 @@ class Hierarchy:
         sets = hvd_comm.process_sets(nodes + peers)  # every rank adds every set, in order
         node_set, cross_set = sets[self.cross_rank], sets[len(nodes) + self.local_rank]
         self.nodes, self.peers = nodes, peers
-        self.splits_rows = False  # whether `owners` split a tensor by rows
+        self.splits = False  # whether `owners` split a tensor by rows or columns
         self.share_of = [r[0] for r in rows]  # each rank's share (its local rank)
         self.node_of = [r[2] for r in rows]
         node_op = hvd_comm.Sum if comm.op == hvd_comm.Sum else hvd_comm.Average
@@ -78,19 +77,19 @@ class Hierarchy:
 
     @property
     def key(self) -> list:
-        """The share a state belongs to: [local rank, workers per node], and "rows" where
-        a tensor is split by rows (saved with it: a state of another layout, such as one
-        saved before tensors were split, does not fit and starts fresh, with a warning)."""
-        return [self.local_rank, self.local_size, *(["rows"] if self.splits_rows else [])]
+        """The share a state belongs to: [local rank, workers per node], and "split" where
+        a tensor is split (saved with it: a state of another layout, such as one saved
+        before tensors were split, does not fit and starts fresh, with a warning)."""
+        return [self.local_rank, self.local_size, *(["split"] if self.splits else [])]
 
     def compressed(self, reducer: Reducer, config, ranks: dict | None = None) -> list[str]:
         """Every share's compressed parameters, in bucket order (the same on every rank),
         at `config`'s rank or at each bucket's of `ranks` (rank="auto"'s plan)."""
 
         def compressed(p, rank) -> bool:  # a split tensor: where a share's block is
-            split = reducer.owner[reducer.names[p]] == shares.SPLIT
-            parts = [block_of(p, j, self.local_size) for j in range(self.local_size)] if (
-                split) else [p]  # fmt: skip
+            kind = reducer.owner[reducer.names[p]]
+            parts = [block_of(p, j, self.local_size, kind) for j in range(self.local_size)] if (
+                kind < 0) else [p]  # fmt: skip
             return any(config.compresses(part.shape, rank) for part in parts)
 
         return [
@@ -103,12 +102,12 @@ class Hierarchy:
         return self.peers[self.local_rank][self.node_of[root_rank]]
 
     def owners(self, buckets: list[Bucket], names: dict) -> dict[str, int]:
-        """name -> the local rank whose share it is, or `shares.SPLIT` (a block of its
-        rows in every share): `shares.owners`, per bucket."""
+        """name -> the local rank whose share it is, or `shares.SPLIT` / `SPLIT_COLUMNS` (a
+        block of its rows / columns in every share): `shares.owners`, per bucket."""
         sizes = [[p.numel() for p in b.params] for b in buckets]
-        shapes = [[matrix_shape(p.shape) if p.dim() else (1, 1) for p in b.params] for b in buckets]
+        shapes = [[tuple(p.shape) for p in b.params] for b in buckets]
         split = shares.owners(sizes, self.local_size, shapes)
-        self.splits_rows = any(j == shares.SPLIT for owner in split for j in owner)
+        self.splits = any(j < 0 for owner in split for j in owner)
         return {names[p]: j for b, owner in zip(buckets, split) for p, j in zip(b.params, owner)}
 
     def mine(self, params: list, owner: dict, names: dict) -> list[tuple[str, torch.Tensor]]:
@@ -117,22 +116,24 @@ class Hierarchy:
         out = []
         for p in params:
             j = owner[names[p]]
-            if j == shares.SPLIT:
-                out.append((names[p], block_of(p.detach(), self.local_rank, self.local_size)))
+            if j < 0:  # split: this share's block
+                out.append((names[p], block_of(p.detach(), self.local_rank, self.local_size, j)))
             elif j == self.local_rank:
                 out.append((names[p], p))
         return out
 
 
-def rows_of(p: torch.Tensor) -> int:
-    """The rows a split would share out: the first dimension (matrix_shape's n)."""
-    return p.shape[0] if p.dim() else 1
+def cut(p: torch.Tensor, kind: int, local_size: int) -> list[tuple[int, int, int]]:
+    """A split tensor's blocks (`shares.SPLIT` by rows, `SPLIT_COLUMNS` by columns), as
+    (dimension, start, length) per share: `tensor.narrow`'s arguments."""
+    dim = 0 if kind == shares.SPLIT else 1
+    count = p.shape[dim] if p.dim() else 1
+    return [(dim, start, stop - start) for start, stop in shares.blocks(count, local_size)]
 
 
-def block_of(tensor: torch.Tensor, share: int, local_size: int) -> torch.Tensor:
-    """Share `share`'s block of a split tensor's rows (a view)."""
-    start, stop = shares.blocks(rows_of(tensor), local_size)[share]
-    return tensor[start:stop]
+def block_of(tensor: torch.Tensor, share: int, local_size: int, kind: int) -> torch.Tensor:
+    """Share `share`'s block of a split tensor (a view)."""
+    return tensor.narrow(*cut(tensor, kind, local_size)[share])
 
 
 def check(setting, process_set, elastic: bool) -> bool:
@@ -195,9 +196,10 @@ class _Pack:
 
     Scattered (`build(True)`): an (L, longest share) tensor whose row j is local
     rank j's share, zero-padded; reduce-scattered in stage 1, all-gathered in 4.
-    A tensor too large to be one share is split: a block of its rows in every
-    row (`shares.owners`), the pieces of it that each share compresses alone.
-    Where the shares stay uneven (a large tensor of fewer rows than workers),
+    A tensor too large to be one share is split: a block of its rows (or of a
+    wide matrix's columns, copied in and out strided) in every row
+    (`shares.owners`), the pieces of it that each share compresses alone.
+    Where the shares stay uneven (a large tensor that cannot be split),
     the padding could make the rows L times the bucket; such a bucket is reduced
     whole (`build(False)`):
     the bucket as one flat tensor, all-reduced (averaged) in stage 1 and, with
@@ -209,23 +211,18 @@ class _Pack:
     def __init__(self, params: list, owner: dict, names: dict, local_size: int, me: int):
         self.params, self.local_size, self.me = params, local_size, me
         offsets, flat = [0] * local_size, 0
-        # Per piece (a tensor, or a block of a split one's rows, `shares.SPLIT`): (param,
-        # its rows or None for all, owner, offset in the owner's row, in the flat bucket,
-        # numel, shape).
+        # Per piece (a tensor, or a block of a split one, `shares.SPLIT` / `SPLIT_COLUMNS`):
+        # (param, its `cut` (None: all of it), owner, offset in the owner's row, in the
+        # flat bucket, numel, shape).
         self.where = []
         for p in params:
-            j, n = owner[names[p]], p.numel()
-            parts = [(None, j)]
-            if j == shares.SPLIT:
-                parts = [(rows, k) for k, rows in enumerate(shares.blocks(rows_of(p), local_size))]
-            for rows, k in parts:
-                size, shape = n, p.shape
-                if rows is not None:
-                    size = n // rows_of(p) * (rows[1] - rows[0])
-                    shape = (rows[1] - rows[0], *p.shape[1:])
-                self.where.append((p, rows, k, offsets[k], flat, size, shape))
-                offsets[k] += size
-                flat += size
+            j = owner[names[p]]
+            parts = [(None, j)] if j >= 0 else list(zip(cut(p, j, local_size), range(local_size)))
+            for piece, k in parts:
+                view = p if piece is None else p.narrow(*piece)
+                self.where.append((p, piece, k, offsets[k], flat, view.numel(), view.shape))
+                offsets[k] += view.numel()
+                flat += view.numel()
         self.sizes = [w[5] for w in self.where]
         self.owner = [w[2] for w in self.where]
         self.length, self.total = max(1, *offsets), max(1, flat)
@@ -248,11 +245,9 @@ class _Pack:
                 view.fill_(1)
 
     def grads(self) -> list[torch.Tensor]:
-        """Each piece's part of its `p.grad`, in `views(result)`'s order."""
-        return [
-            p.grad if rows is None else p.grad[rows[0] : rows[1]]
-            for p, rows, *_ in self.where
-        ]  # fmt: skip
+        """Each piece's part of its `p.grad`, in `views(result)`'s order (a view; a
+        block of columns, strided)."""
+        return [p.grad if piece is None else p.grad.narrow(*piece) for p, piece, *_ in self.where]
 
     def views(self, result: torch.Tensor, share: int | None = None) -> list:
         """(param, the view of its piece) in `result`: the whole bucket's pieces (share
@@ -329,7 +324,7 @@ class HierarchicalReducer(Reducer):
             b.scattered = shares.scatters([(k.sizes, k.owner) for k in b.packs], size)
             for pack in b.packs:
                 pack.build(b.scattered)
-            ours = (me, shares.SPLIT)  # a split tensor: this share's block of it
+            ours = (me, shares.SPLIT, shares.SPLIT_COLUMNS)  # split: this share's block
             b.shared_plain = [p for p in b.dense if self.owner[self.names[p]] in ours]
             b.shared_plain = [p for p in b.shared_plain if p not in self._compressed]
             b.stage = Stage.WAITING

@@ -11,28 +11,29 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 SPLIT = -1  # an owner: the tensor is split by rows, a block to every share (`blocks`)
+SPLIT_COLUMNS = -2  # ... by columns (a wide matrix: 2-D tensors only)
 # The most a split may add to its tensor's factor bytes: each block is its own rank-r
-# matrix, so the node sends L Qs (m x r each) where one worker would send one; P is
-# shared out. Relative to (n + m)·r, whatever the rank.
+# matrix, so the node sends L Qs (m x r each; by columns, L Ps) where one worker would
+# send one; the other factor is shared out. Relative to (n + m)·r, whatever the rank.
 SPLIT_COST = 1 / 8
 
 
 def owners(
     buckets: Sequence[Sequence[int]],
     local_size: int,
-    shapes: Sequence[Sequence[tuple[int, int]]] | None = None,
+    shapes: Sequence[Sequence[Sequence[int]]] | None = None,
 ) -> list[list[int]]:
     """Per bucket (its tensors' element counts, in bucket order), each tensor's owner:
-    the local rank whose share it is, or SPLIT.
+    the local rank whose share it is, SPLIT or SPLIT_COLUMNS.
 
     A tensor larger than its bucket's total / L cannot be one share of a balanced
-    node: given `shapes` (each tensor's matrix shape, n x m) it is split, a block of
-    its rows to every share (`blocks`), where `splits` allows. The others go largest
-    first to the least loaded (ties: the least loaded over the buckets before, then
-    the lowest rank).
+    node: given `shapes` (each tensor's shape) it is split, a block of its rows (or
+    of a wide matrix's columns) to every share (`blocks`), where `split_of` allows.
+    The others go largest first to the least loaded (ties: the least loaded over the
+    buckets before, then the lowest rank).
 
     Example:
-        >>> owners([[100, 60, 50], [10]], 2), owners([[100, 10]], 2, [[(50, 2), (10, 1)]])
+        >>> owners([[100, 60, 50], [10]], 2), owners([[100, 10]], 2, [[(50, 2), (10,)]])
         ([[0, 1, 1], [0]], [[-1, 0]])
     """
     total = [0] * local_size
@@ -42,14 +43,15 @@ def owners(
         owner = [0] * len(sizes)
         whole = sum(sizes)
         for i, n in enumerate(sizes):
-            if shapes is not None and n * local_size > whole and splits(*shapes[b][i], local_size):
-                owner[i] = SPLIT
-                rows = shapes[b][i][0]
-                for j, (start, stop) in enumerate(blocks(rows, local_size)):
-                    load[j] += n // rows * (stop - start)
-                    total[j] += n // rows * (stop - start)
+            kind = split_of(shapes[b][i], local_size) if shapes is not None else None
+            if kind is None or n * local_size <= whole:
+                continue
+            owner[i] = kind
+            for j, width in enumerate(block_sizes(n, shapes[b][i], kind, local_size)):
+                load[j] += width
+                total[j] += width
         for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):  # stable: ties keep order
-            if owner[i] == SPLIT:
+            if owner[i] < 0:
                 continue
             j = min(range(local_size), key=lambda j: (load[j], total[j], j))
             owner[i] = j
@@ -57,6 +59,36 @@ def owners(
             total[j] += sizes[i]
         out.append(owner)
     return out
+
+
+def matrix(shape: Sequence[int]) -> tuple[int, int]:
+    """(n, m) of a tensor's matrix view (linalg.matrix_shape's): first dimension by the rest."""
+    n, m = (shape[0] if shape else 1), 1
+    for d in shape[1:]:
+        m *= d
+    return n, m
+
+
+def split_of(shape: Sequence[int], local_size: int) -> int | None:
+    """SPLIT where a tensor of `shape` may be split by rows among L workers (`splits`),
+    else SPLIT_COLUMNS where a 2-D one may be by columns, else None.
+
+    Example:
+        >>> split_of((50257, 768), 8), split_of((256, 6272), 2), split_of((64, 64, 3, 3), 2)
+        (-1, -2, None)
+    """
+    n, m = matrix(shape)
+    if splits(n, m, local_size):
+        return SPLIT
+    if len(shape) == 2 and splits(m, n, local_size):
+        return SPLIT_COLUMNS
+    return None
+
+
+def block_sizes(numel: int, shape: Sequence[int], kind: int, local_size: int) -> list[int]:
+    """Elements of each share's block of a tensor split by rows or columns (`kind`)."""
+    count = matrix(shape)[0 if kind == SPLIT else 1]
+    return [numel // count * (stop - start) for start, stop in blocks(count, local_size)]
 
 
 def splits(n: int, m: int, local_size: int) -> bool:
@@ -72,8 +104,8 @@ def splits(n: int, m: int, local_size: int) -> bool:
 
 
 def blocks(rows: int, local_size: int) -> list[tuple[int, int]]:
-    """A split tensor's rows, [start, stop) per share: as even as can be, the first shares
-    a row more.
+    """A split tensor's rows (or columns), [start, stop) per share: as even as can be, the
+    first shares a row more.
 
     Example:
         >>> blocks(7, 3)

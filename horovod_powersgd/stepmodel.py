@@ -109,14 +109,32 @@ class Tensor:
     wire_bytes: float  # sent uncompressed: numel x the wire's element size
     factors: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank -> (P, Q) bytes
     rows: int = 0  # its first dimension, the rows a node's split shares out (0: not known)
+    dims: int = 0  # its number of dimensions (0: not known; with rows, 2 if it has columns)
 
-    def block(self, rows: int) -> Tensor:
-        """`rows` of this tensor's rows (a split's block, `shares.blocks`): its part of
-        the elements and of P; all of Q (each block is its own rank-r matrix)."""
-        part = rows / self.rows
-        factors = {r: (p * part, q) for r, (p, q) in self.factors.items()}
-        return Tensor(self.numel // self.rows * rows, self.element_bytes,
-                      self.wire_bytes * part, factors, rows)  # fmt: skip
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """A shape of its numel and rows, for `shares.split_of` (() where rows are not known;
+        3-D where more than 2: not split by columns)."""
+        if not self.rows:
+            return ()
+        dims = self.dims or (2 if self.numel != self.rows else 1)
+        return (
+            (self.rows,) if dims == 1 else (self.rows, self.numel // self.rows, *[1] * (dims > 2))
+        )
+
+    def block(self, width: int, kind: int) -> Tensor:
+        """A block of `width` rows (kind `shares.SPLIT`) or columns (`SPLIT_COLUMNS`) of this
+        tensor: its part of the elements and of the factor shared out (P by rows, Q by
+        columns), all of the other (each block is its own rank-r matrix)."""
+        rows, cols = shares.matrix(self.shape)
+        part = width / (rows if kind == shares.SPLIT else cols)
+        factors = {
+            r: (p * part, q) if kind == shares.SPLIT else (p, q * part)
+            for r, (p, q) in self.factors.items()
+        }
+        block_rows = width if kind == shares.SPLIT else rows
+        return Tensor(round(self.numel * part), self.element_bytes, self.wire_bytes * part,
+                      factors, block_rows, 2)  # fmt: skip
 
 
 def message_bytes(tensors: Sequence[Tensor], rank: int, rounds: int) -> tuple[float, float]:
@@ -288,6 +306,7 @@ class Measurements:
                             t.wire_bytes,
                             {str(r): f for r, f in t.factors.items()},
                             t.rows,
+                            t.dims,
                         ]
                         for t in b.tensors
                     ],
@@ -466,18 +485,20 @@ def _factors(value, path: str) -> tuple[float, float]:
 
 
 def _tensor(value, path: str) -> Tensor:
-    shape = isinstance(value, list) and len(value) in (4, 5)  # rows: not in older profiles
-    _expect(shape, path, "[numel, element bytes, wire bytes, {rank: [P, Q]}, rows]", value)
-    numel, element_bytes, wire_bytes, factors, *rows = value
+    # rows and dims: not in older profiles
+    shape = isinstance(value, list) and 4 <= len(value) <= 6
+    _expect(shape, path, "[numel, element bytes, wire bytes, {rank: [P, Q]}, rows, dims]", value)
+    numel, element_bytes, wire_bytes, factors, *more = value
     _expect(_is_integer(numel) and numel >= 0, f"{path}[0]", "an integer >= 0", numel)
-    rows = rows[0] if rows else 0
-    _expect(_is_integer(rows) and rows >= 0, f"{path}[4]", "an integer >= 0", rows)
+    more = [*more, 0, 0][:2]
+    for i, x in enumerate(more):
+        _expect(_is_integer(x) and x >= 0, f"{path}[{4 + i}]", "an integer >= 0", x)
     return Tensor(
         numel,
         _integer(element_bytes, f"{path}[1]"),
         _number(wire_bytes, f"{path}[2]"),
         _ranks(factors, f"{path}[3]", _factors),
-        rows,
+        *more,
     )
 
 
@@ -650,18 +671,18 @@ def _pieces(buckets, per_node: int) -> list[tuple[list[Tensor], list[int]]]:
     its L blocks, and each piece's owner. A tensor of unknown rows (a profile from before
     they were recorded) is not split."""
     sizes = [[t.numel for t in b.tensors] for b in buckets]
-    shapes = [[(t.rows, t.numel // t.rows) if t.rows else (0, 0) for t in b.tensors]
-              for b in buckets]  # fmt: skip
+    shapes = [[t.shape for t in b.tensors] for b in buckets]
     out = []
     for b, owner in zip(buckets, shares.owners(sizes, per_node, shapes)):
         tensors, owners = [], []
         for t, j in zip(b.tensors, owner):
-            if j != shares.SPLIT:
+            if j >= 0:
                 tensors.append(t)
                 owners.append(j)
                 continue
-            for k, (start, stop) in enumerate(shares.blocks(t.rows, per_node)):
-                tensors.append(t.block(stop - start))
+            dim = 0 if j == shares.SPLIT else 1
+            for k, (start, stop) in enumerate(shares.blocks(t.shape[dim], per_node)):
+                tensors.append(t.block(stop - start, j))
                 owners.append(k)
         out.append((tensors, owners))
     return out

@@ -784,8 +784,10 @@ def _tensors(state, bucket, ladder) -> tuple[stepmodel.Tensor, ...]:
                 factors[rank] = (float(found[0] * size), float(found[1] * size))
         node = p.dtype if p.dtype in COMM_DTYPES else torch.float32  # hierarchy._Pack's
         wire = float(p.numel() * _wire_size(state, p, config.comm_dtype))
-        rows = p.shape[0] if p.dim() else 1  # hierarchy.rows_of
-        out.append(stepmodel.Tensor(p.numel(), torch.finfo(node).bits // 8, wire, factors, rows))
+        rows = p.shape[0] if p.dim() else 1  # what the node's split shares out
+        out.append(
+            stepmodel.Tensor(p.numel(), torch.finfo(node).bits // 8, wire, factors, rows, p.dim())
+        )
     return tuple(out)
 
 

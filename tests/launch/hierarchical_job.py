@@ -2,7 +2,7 @@
 
 argv: a directory for checkpoints, then options (`--rounds N`, `--fp16`,
 `--setting True|auto|False`, `--accumulate K`: backward_passes_per_step, `--tall`: a
-first weight the node splits by rows, ...: `--help`).
+first weight the node splits by rows, `--wide`: by columns, ...: `--help`).
 Every rank prints one JSON line (`hier_job {...}`):
 where it ran, digests of its parameters after training, the steps' largest
 difference from plain Horovod's average at full rank, a resumed run's digest
@@ -25,18 +25,19 @@ import horovod_powersgd as hps
 from horovod_powersgd import graphs, reducer, shares
 
 HIDDEN = [24]  # --tall: 160, a first weight of 160 x 16 that the node splits by rows
+INPUTS = [16]  # --wide: 256, a first weight of 24 x 256 that the node splits by columns
 
 
 def model_of(seed=0):
     torch.manual_seed(seed)
     hidden = HIDDEN[0]
-    return nn.Sequential(nn.Linear(16, hidden), nn.ReLU(), nn.Linear(hidden, 24), nn.ReLU(),
+    return nn.Sequential(nn.Linear(INPUTS[0], hidden), nn.ReLU(), nn.Linear(hidden, 24), nn.ReLU(),
                          nn.Linear(24, 6), nn.Conv1d(1, 1, 1))  # fmt: skip
 
 
 def batch(step):
     g = torch.Generator().manual_seed(1000 * step + hvd.rank())
-    return torch.randn(8, 16, generator=g), torch.randint(0, 6, (8,), generator=g)
+    return torch.randn(8, INPUTS[0], generator=g), torch.randint(0, 6, (8,), generator=g)
 
 
 def loss_of(model, x, y):
@@ -218,6 +219,7 @@ def main():
     parser.add_argument("--auto-link", help='rank="auto": plan for this link (auto_link)')
     parser.add_argument("--graphs", action="store_true", help="cuda_graphs=True, recorded")
     parser.add_argument("--tall", action="store_true", help="a first layer of 160 x 16")
+    parser.add_argument("--wide", action="store_true", help="a first layer of 24 x 256")
     args = parser.parse_args()
     if args.graphs:
         os.environ[graphs.ENV] = "record"
@@ -225,6 +227,8 @@ def main():
         reducer.BUCKET_BYTES = args.bucket_bytes
     if args.tall:
         HIDDEN[0] = 160
+    if args.wide:
+        INPUTS[0] = 256
     args.setting = {"True": True, "False": False}.get(args.setting, args.setting)
     args.rank = args.rank if args.rank == "auto" else int(args.rank)
     if args.static:
@@ -251,6 +255,7 @@ def main():
         if row["hierarchical"]:  # the tensors split by rows among the node's shares
             owner = opt.powersgd_state.reducer.owner
             row["split"] = sorted(name for name, j in owner.items() if j == shares.SPLIT)
+            row["split_columns"] = sorted(n for n, j in owner.items() if j == shares.SPLIT_COLUMNS)
         train(model, opt, args.steps)
         if args.force_rank is not None:
             force_plan(model, opt, args)

@@ -87,6 +87,7 @@ def assert_contract(rows, full_rank=True, gap=1e-4, compressed=COMPRESSED, split
         ["--tall", "--bucket-bytes", "1"],
         ["--tall", "--bucket-bytes", "1", "--rounds", "1"],
         ["--tall", "--bucket-bytes", "1", "--graphs", "--fp16"],
+        ["--wide", "--bucket-bytes", "1"],
     ],
     ids=[
         "rounds2",
@@ -99,6 +100,7 @@ def assert_contract(rows, full_rank=True, gap=1e-4, compressed=COMPRESSED, split
         "split",
         "split-rounds1",
         "split-graphs-fp16",
+        "split-columns",
     ],
 )
 def test_two_nodes_of_two_workers_keep_the_contract(python, tmp_path, options):
@@ -109,10 +111,14 @@ def test_two_nodes_of_two_workers_keep_the_contract(python, tmp_path, options):
     # order 1, so 1e-3 keeps 45x of margin for another CPU's rounding.
     gap = 1e-3 if "--accumulate" in options else 1e-4
     # --tall: the 160 x 16 first weight is split by rows, each share compressing its
-    # block (shares.splits); the biases of a bucket of their own are split too (exact).
-    split = ("0.weight",) if "--tall" in options else ()
+    # block (shares.split_of); --wide: the 24 x 256 one by columns; the biases of a
+    # bucket of their own are split by rows too (exact).
+    split = ("0.weight",) if "--tall" in options or "--wide" in options else ()
     if "--tall" in options:
         assert all(r["split"] == ["0.bias", "0.weight", "2.bias"] for r in rows), rows
+    if "--wide" in options:
+        assert all(r["split"] == ["0.bias", "2.bias"] for r in rows), rows
+        assert all(r["split_columns"] == ["0.weight"] for r in rows), rows
     assert_contract(rows, full_rank="--fp16" not in options, gap=gap, split=split)
     # After backward, four dependent rounds of collectives at most (three with rounds=1:
     # node, P, node), however many buckets: a wave per stage (HierarchicalReducer.finish).

@@ -31,8 +31,9 @@ def test_shares_split_each_bucket_by_size_the_same_way_every_time():
 
 
 def test_more_workers_per_node_than_tensors_leaves_some_shares_empty():
-    # The large tensor has fewer rows than workers: it cannot be split by rows.
-    params = [torch.zeros(2, 512), torch.zeros(32)]
+    # The large tensor has fewer rows than workers and more than two dimensions: it cannot
+    # be split, by rows or by columns.
+    params = [torch.zeros(2, 16, 32), torch.zeros(32)]
     owner, _, _ = owners_of(params, 4)
     assert sorted(owner.values()) == [0, 1]  # one tensor each to the first two
 
@@ -47,10 +48,10 @@ def test_a_tensor_too_large_for_one_share_is_split_by_rows_across_the_node():
         owner, names, buckets = owners_of(params, 3)
         # The share's key, saved with its state, says so: a state of the layout before
         # (the tensor one share's) does not fit and starts fresh, with a warning.
-        node = types.SimpleNamespace(local_rank=1, local_size=3, splits_rows=False)
+        node = types.SimpleNamespace(local_rank=1, local_size=3, splits=False)
         assert hierarchy.Hierarchy.key.fget(node) == [1, 3]
         hierarchy.Hierarchy.owners(node, buckets, names)
-        assert hierarchy.Hierarchy.key.fget(node) == [1, 3, "rows"]
+        assert hierarchy.Hierarchy.key.fget(node) == [1, 3, "split"]
     assert owner == {"p0": shares.SPLIT, "p1": 1}  # to the least loaded after it
     assert shares.blocks(7, 3) == [(0, 3), (3, 5), (5, 7)]
     # Not a matrix whose extra Qs would cost more than SPLIT_COST of its factors.
@@ -225,3 +226,32 @@ def test_missing_dynamic_process_sets_on_any_rank_says_how_to_enable_them(monkey
         decide(True, rows)
     with pytest.warns(UserWarning, match="runs flat"):
         assert decide("auto", rows) is None
+
+
+def test_a_wide_matrix_too_large_for_one_share_is_split_by_columns():
+    """The Fashion-MNIST CNN's fc1 (256 x 6,272, 94 % of its gradient) is too wide to be
+    split by rows: its columns are shared out instead, each share a 256 x 3,136 block
+    of its own (the blocks strided in p.grad, copied in and out), and the result put
+    back in place; a 2-D tensor only (a wide conv weight stays whole)."""
+    assert shares.split_of((256, 6272), 2) == shares.SPLIT_COLUMNS
+    assert shares.split_of((256, 64, 98), 2) is None
+    params = [torch.zeros(4, 64), torch.zeros(4)]
+    owner, names, _ = owners_of(params, 2)
+    assert owner == {"p0": shares.SPLIT_COLUMNS, "p1": 0}
+    me = types.SimpleNamespace(local_rank=1, local_size=2)
+    mine = hierarchy.Hierarchy.mine(me, params, owner, names)
+    assert [(n, tuple(t.shape)) for n, t in mine] == [("p0", (4, 32))]
+    for scattered in (True, False):
+        pack = hierarchy._Pack(params, owner, names, 2, me=1)
+        assert pack.sizes == [128, 128, 4] and pack.owner == [0, 1, 0]
+        pack.build(scattered=scattered)
+        grads = [torch.arange(256.0).view(4, 64), torch.arange(4.0) + 1000]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        torch._foreach_copy_(pack.send_views, pack.grads())
+        share = dict(pack.views(pack.buffer[1] if scattered else pack.buffer, share=1))
+        assert torch.equal(share[params[0]], grads[0][:, 32:])
+        for p in params:
+            p.grad.zero_()
+        torch._foreach_copy_(pack.grads(), [v for _, v in pack.views(pack.buffer)])
+        assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))

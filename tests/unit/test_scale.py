@@ -176,18 +176,20 @@ def test_hierarchical_powersgd_step_worked_by_hand():
 
 
 def test_hierarchical_powersgd_shares_the_tensors_as_the_library_does():
-    """With the profile's tensors: bucket A is one large tensor of one row (it cannot be
+    """With the profile's tensors: bucket A is one large 1 x 10^6 x 1 tensor (it cannot be
     split: local rank 0's share, reduced whole in the node: a tie at L = 2), bucket B two
     equal ones (one each, scattered). Each share's work is its part of the compressed
     elements, its bytes its tensors' factors; the step is the slowest share's."""
-    big = stepmodel.Tensor(10**6, element_bytes=4, wire_bytes=4e6, factors={2: (8e3, 4e3)}, rows=1)
+    big = stepmodel.Tensor(
+        10**6, element_bytes=4, wire_bytes=4e6, factors={2: (8e3, 4e3)}, rows=1, dims=3
+    )
     small = stepmodel.Tensor(numel=10**5, element_bytes=4, wire_bytes=4e5, factors={2: (800, 400)})
     a = stepmodel.Bucket(0.01, 4e6, {2: stepmodel.Option(0.004, 0.01, 8e3, 4e3)}, (big,))
     b = stepmodel.Bucket(0.02, 8e5, {2: stepmodel.Option(0.002, 0.004, 1600, 800)}, (small, small))
     link = Hop(latency_s=1e-4, bytes_per_s=1e9)
     m = stepmodel.Measurements((a, b), backward_s=0.02, step_s=0.1, link=link, rest_s=0.05)
     c = Cluster(nodes=2, per_node=2, intra=Hop(1e-6, 1e9), inter=Hop(1e-4, 1e8))
-    shapes = [[(1, 10**6)], [(0, 0)] * 2]  # one row; (0, 0): not known
+    shapes = [[(1, 10**6, 1)], [()] * 2]  # (): not known
     assert shares.owners([[10**6], [10**5, 10**5]], 2, shapes) == [[0], [1, 0]]
     whole = 2 * 1e-6 + 4e6 / 1e9  # a 2-worker ring all-reduce of bucket A (twice)
     rows = 1e-6 + 0.5 * (2 * 10**5 * 4) / 1e9  # reduce-scatter / all-gather of B's 2 rows
@@ -237,7 +239,7 @@ def test_a_tensor_too_large_for_one_share_is_modelled_split_as_the_library_split
         assert option.before_s == pytest.approx(1e-6 + 0.5 * (2 * 5 * 10**5 * 4) / 1e9)
     assert stepmodel.predict(zero, [2]) == pytest.approx(stepmodel.predict(one, [2]))
     whole = dataclasses.replace(m, buckets=(dataclasses.replace(
-        a, tensors=(dataclasses.replace(big, rows=1),)),))  # fmt: skip
+        a, tensors=(dataclasses.replace(big, rows=1, dims=3),)),))  # fmt: skip
     assert stepmodel.hierarchical_s(m, c, 2) < stepmodel.hierarchical_s(whole, c, 2)
 
 
@@ -274,3 +276,18 @@ def test_compute_under_compression_comes_from_the_jobs_own_compressed_steps(tmp_
     path.write_text(json.dumps(m.to_dict()))
     with pytest.raises(SystemExit):
         scale.main([*args, "--compressed-compute", "trials"])
+
+
+def test_a_wide_tensor_is_modelled_split_by_columns():
+    """By columns each share holds all of P (n x r) and its part of Q: a 100 x 10,000
+    matrix at L = 2, P 800 and Q 80,000 bytes at rank 2, gives each share 800 and 40,000."""
+    wide = stepmodel.Tensor(10**6, 4, 4e6, {2: (800.0, 80000.0)}, rows=100, dims=2)
+    assert shares.split_of(wide.shape, 2) == shares.SPLIT_COLUMNS
+    block = wide.block(5000, shares.SPLIT_COLUMNS)
+    assert (block.numel, block.rows, block.factors[2]) == (5 * 10**5, 100, (800.0, 40000.0))
+    a = stepmodel.Bucket(0.01, 4e6, {2: stepmodel.Option(0.004, 0.01, 800.0, 8e4)}, (wide,))
+    m = stepmodel.Measurements((a,), backward_s=0.02, step_s=0.1, link=Hop(1e-4, 1e9), rest_s=0.05)
+    c = Cluster(nodes=2, per_node=2, intra=Hop(1e-6, 1e9), inter=Hop(1e-4, 1e8))
+    for share in stepmodel.hierarchical(m, c):
+        option = share.buckets[0].options[2]
+        assert (option.round1_bytes, option.round2_bytes) == pytest.approx((800.0, 40000.0))
