@@ -20,10 +20,10 @@ A share is about 1/L of each bucket's tensors, balanced by size (largest first
 to the least loaded local rank), the same on every node. A tensor too large to
 be one share (a tied embedding's bucket) is split by rows (a wide matrix by
 columns): every share holds a block and compresses it as a matrix of its own
-(`shares.owners`, `shares.split_of`). Local rank j holds the error buffers and memories of its
-share only: error feedback on the node's average, and 1/L of flat PowerSGD's
-compression work. Its uncompressed tensors ride with its P, exactly. Warm-up
-steps are plain Horovod over all ranks.
+(`shares.owners`, `shares.split_of`). Local rank j holds the error buffers and
+memories of its share only: error feedback on the node's average, and 1/L of
+flat PowerSGD's compression work. Its uncompressed tensors ride with its P,
+exactly. Warm-up steps are plain Horovod over all ranks.
 
 `decide` turns the setting into a `Hierarchy` (or None: flat), one decision for
 all ranks from one all-gather of what Horovod says of each rank's node.
@@ -112,7 +112,7 @@ class Hierarchy:
 
     def mine(self, params: list, owner: dict, names: dict) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) of this share's parameters: the whole tensor, or this share's
-        block of a split one's rows (what its compressor holds)."""
+        block of a split one's rows or columns (what its compressor holds)."""
         out = []
         for p in params:
             j = owner[names[p]]
