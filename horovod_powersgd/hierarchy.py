@@ -126,9 +126,8 @@ class Hierarchy:
 def cut(p: torch.Tensor, kind: int, local_size: int) -> list[tuple[int, int, int]]:
     """A split tensor's blocks (`shares.SPLIT` by rows, `SPLIT_COLUMNS` by columns), as
     (dimension, start, length) per share: `tensor.narrow`'s arguments."""
-    dim = 0 if kind == shares.SPLIT else 1
-    count = p.shape[dim] if p.dim() else 1
-    return [(dim, start, stop - start) for start, stop in shares.blocks(count, local_size)]
+    dim = 0 if kind == shares.SPLIT else 1  # a split tensor has a dimension at least
+    return [(dim, start, stop - start) for start, stop in shares.blocks(p.shape[dim], local_size)]
 
 
 def block_of(tensor: torch.Tensor, share: int, local_size: int, kind: int) -> torch.Tensor:

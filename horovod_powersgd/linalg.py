@@ -6,17 +6,15 @@ import os
 
 import torch
 
+from . import shares
+
 
 def matrix_shape(shape: torch.Size) -> tuple[int, int]:
     """(n, m) of the matrix view of a tensor: first dimension by all the others.
 
-    A conv weight (out, in, kh, kw) becomes (out, in·kh·kw).
+    A conv weight (out, in, kh, kw) becomes (out, in·kh·kw) (`shares.matrix`, pure).
     """
-    n = shape[0]
-    m = 1
-    for d in shape[1:]:
-        m *= d
-    return n, m
+    return shares.matrix(shape)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

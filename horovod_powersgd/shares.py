@@ -8,6 +8,7 @@ the shares and the node's collectives the library makes (docs/scale.md).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 SPLIT = -1  # an owner: the tensor is split by rows, a block to every share (`blocks`)
@@ -62,11 +63,13 @@ def owners(
 
 
 def matrix(shape: Sequence[int]) -> tuple[int, int]:
-    """(n, m) of a tensor's matrix view (linalg.matrix_shape's): first dimension by the rest."""
-    n, m = (shape[0] if shape else 1), 1
-    for d in shape[1:]:
-        m *= d
-    return n, m
+    """(n, m) of a tensor's matrix view: first dimension by the rest (1 x 1 for a scalar).
+
+    Example:
+        >>> matrix((64, 32, 3, 3)), matrix((7,)), matrix(())
+        ((64, 288), (7, 1), (1, 1))
+    """
+    return (shape[0] if shape else 1), math.prod(shape[1:])
 
 
 def split_of(shape: Sequence[int], local_size: int) -> int | None:

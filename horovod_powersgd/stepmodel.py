@@ -77,7 +77,7 @@ def factor_sizes(shape: Sequence[int], rank: int, min_compression_rate: float):
     """
     if len(shape) < 2:
         return None
-    n, m = shape[0], math.prod(shape[1:])
+    n, m = shares.matrix(shape)
     if n == 0 or m == 0:
         return None
     r = min(rank, n, m)

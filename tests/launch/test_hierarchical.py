@@ -88,6 +88,7 @@ def assert_contract(rows, full_rank=True, gap=1e-4, compressed=COMPRESSED, split
         ["--tall", "--bucket-bytes", "1", "--rounds", "1"],
         ["--tall", "--bucket-bytes", "1", "--graphs", "--fp16"],
         ["--wide", "--bucket-bytes", "1"],
+        ["--tall", "--bucket-bytes", "1", "--accumulate", "2"],
     ],
     ids=[
         "rounds2",
@@ -101,6 +102,7 @@ def assert_contract(rows, full_rank=True, gap=1e-4, compressed=COMPRESSED, split
         "split-rounds1",
         "split-graphs-fp16",
         "split-columns",
+        "split-accumulate",
     ],
 )
 def test_two_nodes_of_two_workers_keep_the_contract(python, tmp_path, options):
