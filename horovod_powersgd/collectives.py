@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,6 +50,9 @@ TABLE = {
     "all_gather": (lambda w: w - 1, lambda w: (w - 1) / w),
 }
 ALGORITHMS = ("ring", "tree", "nccl", "hierarchical")
+# A timed all-reduce of at most this many bytes gives `Hop.fit` the latency (its bytes
+# take 0.5 ms at 1 Gbit/s): rank="auto" times a few of 4 bytes (tuner._time_small).
+SMALL_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -65,23 +69,41 @@ class Hop:
 
     @staticmethod
     def fit(samples: Sequence[tuple[float, float]]) -> Hop:
-        """Least squares over (bytes, seconds) of timed all-reduces; the latency >= 0.
+        """The hop of timed all-reduces, (bytes, seconds) each: the bandwidth by least
+        squares (over those above SMALL_BYTES where they have two sizes or more); the
+        latency what the smallest took, less its bytes' time, where they are at most
+        SMALL_BYTES (the median of that size's), else the least-squares intercept; >= 0.
+
+        Not the intercept always: an all-reduce of megabytes timed alone pays start-up
+        costs that a small message does not, nor one of a step's back-to-back transfers
+        (a TCP link's slow start after idle: the LSTM's buckets on two nodes at 100 Mbit/s
+        fitted 0.35 s, where a message of bytes takes milliseconds; docs/auto.md), and the
+        step model charges the latency to every P and Q, which are small.
 
         Example:
             >>> hop = Hop.fit([(1e3, 0.01001), (1e6, 0.02), (4e6, 0.05)])
             >>> round(hop.latency_s, 3), round(hop.bytes_per_s / 1e6)
             (0.01, 100)
+            >>> hop = Hop.fit([(4, 0.002), (4, 0.003), (4, 0.0025), (7e6, 1.0), (75e6, 7.8)])
+            >>> round(hop.latency_s, 4), round(hop.bytes_per_s / 1e6, 1)  # not 0.3 s
+            (0.0025, 10.0)
         """
         if not samples:
             raise ValueError("no timed all-reduce to fit the link to")
         xs, ys = [float(b) for b, _ in samples], [float(s) for _, s in samples]
-        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-        spread = sum((x - mean_x) ** 2 for x in xs)
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0
+        bulk = [(x, y) for x, y in zip(xs, ys) if x > SMALL_BYTES]
+        if len({x for x, _ in bulk}) < 2:
+            bulk = list(zip(xs, ys))
+        mean_x, mean_y = (sum(v) / len(bulk) for v in zip(*bulk))
+        spread = sum((x - mean_x) ** 2 for x, _ in bulk)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in bulk) / spread if spread else 0
         if slope <= 0:  # all of one size, or no cost per byte: all of it is latency
-            return Hop(latency_s=max(mean_y, 0.0), bytes_per_s=math.inf)
-        latency = max(mean_y - slope * mean_x, 0.0)
-        return Hop(latency_s=latency, bytes_per_s=1.0 / slope)
+            return Hop(latency_s=max(sum(ys) / len(ys), 0.0), bytes_per_s=math.inf)
+        latency = mean_y - slope * mean_x
+        smallest = min(xs)
+        if smallest <= SMALL_BYTES:
+            latency = statistics.median(y - slope * x for x, y in zip(xs, ys) if x == smallest)
+        return Hop(latency_s=max(latency, 0.0), bytes_per_s=1.0 / slope)
 
     def scaled(self, bandwidth: float) -> Hop:
         """The same hop with `bandwidth` times the bytes per second."""

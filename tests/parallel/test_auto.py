@@ -414,6 +414,8 @@ def test_on_cuda_the_profile_times_the_device_not_the_host(monkeypatch):
     monkeypatch.setattr(tuner_module, "_device", lambda opt: torch.device("cuda"))
     monkeypatch.setattr(tuner_module, "_device_event", Event)
     monkeypatch.setattr(tuner_module, "_synchronize", lambda device: synced.append(device))
+    small = tuner_module._time_small  # the latency's all-reduces: on this CPU (no CUDA)
+    monkeypatch.setattr(tuner_module, "_time_small", lambda c, s, d: small(c, s, "cpu"))
     model = make_model()
     model.register_forward_pre_hook(lambda module, args: time.sleep(forward_s))
     opt = auto(model)

@@ -111,6 +111,19 @@ def test_link_fit_recovers_latency_and_bandwidth():
         Hop.fit([])
 
 
+def test_the_link_latency_is_a_small_all_reduces_not_the_bulk_ones_start_up():
+    # Lone all-reduces of megabytes pay a start-up cost (0.35 s on two nodes at 100 Mbit/s)
+    # that a P or a Q, small, does not: the intercept of their line is not the latency.
+    # Measured there: 4 bytes 2.0-2.1 ms, 6.8 MB 0.78-0.98 s, 75 MB 9.3-12.5 s.
+    bulk = [(6.76e6, 0.35 + 6.76e6 / 10e6), (75e6, 0.35 + 75e6 / 10e6)]
+    small = [(4, 0.0020), (4, 0.0021), (4, 0.0030)]
+    fitted = Hop.fit(bulk + small)
+    assert fitted.latency_s == pytest.approx(0.0021, rel=1e-3)  # the median small one's
+    assert fitted.bytes_per_s == pytest.approx(10e6, rel=0.02)  # the bulk ones' slope
+    # Without a small all-reduce (none at most collectives.SMALL_BYTES), the intercept.
+    assert Hop.fit(bulk).latency_s == pytest.approx(0.35, rel=1e-6)
+
+
 def test_candidates_hold_the_choice_plain_and_uniform_plans_once_each():
     m = job(Hop(1e-4, 1e9))  # 8 Gbit/s: plain is the choice, the others near it
     found = planner.candidates(m, [1, 2, 4, 8])
