@@ -51,7 +51,7 @@ TABLE = {
 }
 ALGORITHMS = ("ring", "tree", "nccl", "hierarchical")
 # A timed all-reduce of at most this many bytes gives `Hop.fit` the latency (its bytes
-# take 0.5 ms at 1 Gbit/s): rank="auto" times a few of 4 bytes (tuner._time_small).
+# take 0.5 ms at 1 Gbit/s): rank="auto" times a few of 4 bytes (tuner._time_link).
 SMALL_BYTES = 64 * 1024
 
 

@@ -70,7 +70,8 @@ LINK_ENV = "HOROVOD_POWERSGD_LINK"
 PROFILE_VARIABLE = "HOROVOD_POWERSGD_PROFILE"
 CLEAN, TIMED, PROBE = (1, 2, 3), (4, 5), (6, 7)  # steps of the measure phase, by index
 MEASURE_STEPS = 8
-SMALL_REPEATS = 3  # all-reduces of 4 bytes after the timed steps: the link's latency
+SMALL = (1,) * 3  # all-reduces of 4 bytes after the timed steps: the link's latency
+LINK_NUMELS = (1, 64 * 1024, 1024 * 1024)  # a re-plan's all-reduces: 4 B, 256 KiB, 4 MiB
 TRIAL_STEPS = 5
 # Plans this much slower than the fastest count as as fast (measured ones: more where the
 # trials' noise is more, planner.margin).
@@ -320,7 +321,8 @@ class Tuner:
             else:
                 self._timed.extend(self._recorder.samples)
                 if index == TIMED[-1]:  # the link's latency: all-reduces of bytes (Hop.fit)
-                    self._timed.extend(_time_small(self.comm, state.step, _device(state)))
+                    timed = _time_link(self.comm, state.step, _device(state), "small", SMALL)
+                    self._timed.extend((f"auto.small.{i}", *t) for i, t in enumerate(timed))
             self._recorder = None
         if self.phase == "measure":
             if index in PROBE:
@@ -762,30 +764,15 @@ def _time_bucket(probe, bucket, grads, scratch, workers, device):
     return times["compress"] - start, times["decompress"] - start
 
 
-def _time_small(comm, step: int, device) -> list[tuple[str, int, float]]:
-    """(name, bytes, seconds) of SMALL_REPEATS all-reduces of one element over `comm`,
-    after an untimed one that lines the ranks up (its wait would hold how far apart
-    they came): what a message of next to no bytes costs. Not counted as sent."""
-    tensor = torch.zeros(1, device=device)
-    comm.allreduce_sum(tensor, f"auto.small.{step}.sync")
-    samples = []
-    for i in range(SMALL_REPEATS):
-        start = time.perf_counter()
-        comm.allreduce_sum(tensor, f"auto.small.{step}.{i}")
-        samples.append((f"auto.small.{i}", tensor.numel() * 4, time.perf_counter() - start))
-    return samples
-
-
-def _time_link(comm, step: int, device, what: str = "link") -> list[tuple[int, float]]:
-    """(bytes, seconds) of a few all-reduces over `comm`, each waited for at once, of
-    tensors on the gradients' `device` (the link the gradients take), after an untimed
-    one that lines the ranks up (the first, of 4 bytes, gives Hop.fit the latency)."""
+def _time_link(comm, step: int, device, what="link", numels=LINK_NUMELS) -> list[tuple]:
+    """(bytes, seconds) of all-reduces of `numels` elements on `device` over `comm`, each
+    waited for, after an untimed one that lines the ranks up. Not counted as sent."""
     comm.allreduce_sum(torch.zeros(1, device=device), f"auto.{what}.{step}.sync")
     samples = []
-    for i, numel in enumerate((1, 64 * 1024, 1024 * 1024)):
+    for i, numel in enumerate(numels):
         tensor = torch.zeros(numel, device=device)
         start = time.perf_counter()
-        comm.wait(comm.allreduce_async([tensor], f"auto.{what}.{step}.{i}"))
+        comm.allreduce_sum(tensor, f"auto.{what}.{step}.{i}")
         samples.append((numel * 4, time.perf_counter() - start))
     return samples
 

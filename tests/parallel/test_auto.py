@@ -80,6 +80,21 @@ def test_every_rank_takes_the_same_plan_and_stays_bitwise_identical(rounds, link
         assert any(plan_of(opt)) and opt.compression_stats()["ratio"] > 1
 
 
+def test_timing_the_link_again_is_not_counted_as_sent():
+    # A re-plan times the link with all-reduces of up to 4 MiB: auto's probe, not the
+    # gradients' traffic. The user's bytes and ratio (compression_stats) leave it out;
+    # they used to count it, 4.3 MB a re-plan.
+    model = make_model()
+    opt = auto(model)
+    train(model, opt, steps=SETTLED)
+    assert opt.powersgd_state.tuner.phase == "settled"
+    before = opt.compression_stats()
+    opt.powersgd_state.tuner._replan(opt.powersgd_state, force=True)
+    after = opt.compression_stats()
+    for key in ("bytes_sent", "elements_sent"):
+        assert after[key] == before[key], key
+
+
 def test_the_first_steps_are_plain_and_the_plan_is_logged(caplog):
     model = make_model()
     opt = auto(model, auto_link="20mbit")
@@ -414,8 +429,8 @@ def test_on_cuda_the_profile_times_the_device_not_the_host(monkeypatch):
     monkeypatch.setattr(tuner_module, "_device", lambda opt: torch.device("cuda"))
     monkeypatch.setattr(tuner_module, "_device_event", Event)
     monkeypatch.setattr(tuner_module, "_synchronize", lambda device: synced.append(device))
-    small = tuner_module._time_small  # the latency's all-reduces: on this CPU (no CUDA)
-    monkeypatch.setattr(tuner_module, "_time_small", lambda c, s, d: small(c, s, "cpu"))
+    link = tuner_module._time_link  # the latency's all-reduces: on this CPU (no CUDA)
+    monkeypatch.setattr(tuner_module, "_time_link", lambda c, s, d, *a: link(c, s, "cpu", *a))
     model = make_model()
     model.register_forward_pre_hook(lambda module, args: time.sleep(forward_s))
     opt = auto(model)

@@ -89,7 +89,7 @@ def test_a_parameter_unused_on_one_rank_measures_and_settles(rounds):
 
 
 def fake_link_timings(bytes_per_s, latency_s):
-    def time_link(comm, step, device, what="link"):
+    def time_link(comm, step, device, what="link", numels=None):
         return [(n, latency_s + n / bytes_per_s) for n in (4, 256 * 1024, 4 * 2**20)]
 
     return time_link
