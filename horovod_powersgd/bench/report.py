@@ -165,6 +165,25 @@ def target_rows(records: Sequence[Record]) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def verdict_rows(records: Sequence[Record]) -> list[tuple[str, ...]]:
+    """rank="auto"'s verdict, one row per model, link and schedule with a judged target:
+    (model, link, auto's config, its rounds, what it settled on, against, measured, limit,
+    verdict). The answer to "turn it on, what can it cost me?", from every record."""
+    rows = []
+    for (model, bw), at in group_by_link(records).items():
+        for c in targets.auto_comparisons(at):
+            if c.limit is None:
+                continue
+            auto = c.numerator
+            rounds = len(auto.round_ms) if auto.round_ms else "-"
+            against = label(c.denominator)
+            rows.append(
+                (model, bw, auto.config, str(rounds), auto.detail or "-", against,
+                 _measured(c), f"<= {c.limit}x", c.verdict() or "-")
+            )  # fmt: skip
+    return rows
+
+
 def group_by_link(records: Sequence[Record]) -> dict[tuple[str, str], list[Record]]:
     """Records by (model, bandwidth): what a target compares."""
     out: dict[tuple[str, str], list[Record]] = {}
@@ -238,6 +257,18 @@ def write_markdown(
     if environment:
         out += [environment, ""]
     out += settings_lines(records)
+    verdicts = verdict_rows(records)
+    if verdicts:
+        out += ['## rank="auto": the verdict', ""]
+        out += [
+            "Each row: auto in a paired job beside the configurations it is held to; hit, "
+            "missed, or not resolved while the limit lies inside the interval.",
+            "",
+        ]
+        head = ["model", "link", "auto", "rounds", "settled on", "against", "auto / it"]
+        out += ["| " + " | ".join([*head, "limit", "verdict"]) + " |", "|---" * 9 + "|"]
+        out += ["| " + " | ".join(row) + " |" for row in verdicts]
+        out.append("")
     for (model, np_, bw), recs in group(records).items():
         out += [f"## {model}, {np_} workers, bandwidth {bw}", "", markdown_table(recs), ""]
         jobs = job_lines(recs)

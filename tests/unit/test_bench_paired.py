@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from horovod_powersgd.bench import confidence, targets
+from horovod_powersgd.bench import confidence, report, targets
 from horovod_powersgd.bench.__main__ import paired_command, parse_configs
 from horovod_powersgd.bench.confidence import Interval
 from horovod_powersgd.bench.paired import describe_plan
@@ -128,6 +128,39 @@ def test_capped_auto_is_judged_against_its_own_schedule_and_shown_beside_the_oth
     assert other.limit is None and other.verdict() == ""
     local = rows["gpt: powersgd-auto / local, 50mbit"]
     assert local.interval().median == pytest.approx(1.06 / 0.9)
+
+
+def test_the_report_opens_with_autos_verdict_one_row_per_link_and_schedule(tmp_path):
+    # The question a user asks of rank="auto" (turn it on, what can it cost me?) answered in
+    # one table from every record: each auto at each link against what it is held to, with
+    # what it settled on and the verdict; the other schedule's best is not a target there.
+    base = [100.0, 102.0, 98.0, 100.0, 101.0] * 2
+    plan = "plan [1 1], link 50 Mbit/s 2.00 ms"
+    records = [
+        _rec("horovod", None, base),
+        _rec("horovod-fp16", None, [x * 1.1 for x in base]),
+        _rec("powersgd-auto", None, [x * 1.05 for x in base], detail="plan [p p]"),
+        _rec("local", None, [x * 0.97 for x in base], "50mbit"),
+        _rec("powersgd", 1, base, "50mbit"),
+        _rec("powersgd-1round", 1, [x * 0.95 for x in base], "50mbit"),
+        _rec("powersgd-auto", None, [x * 1.001 for x in base], "50mbit", detail=plan),
+        _rec("powersgd-1round-auto", None, [x * 0.95 * 1.04 for x in base], "50mbit"),
+    ]
+    rows = report.verdict_rows(records)
+    assert [(r[1], r[2], r[5], r[-1]) for r in rows] == [
+        ("unlimited", "powersgd-auto", "horovod", "missed"),
+        ("50mbit", "powersgd-auto", "powersgd r1", "hit"),
+        ("50mbit", "powersgd-auto", "local", "hit"),
+        ("50mbit", "powersgd-1round-auto", "powersgd-1round r1", "missed"),
+        ("50mbit", "powersgd-1round-auto", "local", "hit"),
+    ]
+    assert rows[1][3:5] == ("10", plan) and rows[0][4] == "plan [p p]" and rows[3][4] == "-"
+    path = tmp_path / "report.md"
+    report.write_markdown(records, path, command="make bench")
+    text = path.read_text()
+    verdict = text.index('## rank="auto": the verdict')
+    assert verdict < text.index("## gpt, 2 workers") < text.index("## Targets")
+    assert f"| gpt | 50mbit | powersgd-auto | 10 | {plan} | powersgd r1 | 1.001" in text
 
 
 def test_records_of_separate_jobs_have_no_interval_and_say_so():
