@@ -4,6 +4,7 @@ Deterministic: fixed seeds and made-up rounds, no timing. The intervals' coverag
 test_bench_intervals.py.
 """
 
+import argparse
 import dataclasses
 import random
 
@@ -12,6 +13,7 @@ import pytest
 from horovod_powersgd.bench import confidence, report, targets
 from horovod_powersgd.bench.__main__ import paired_command, parse_configs
 from horovod_powersgd.bench.confidence import Interval
+from horovod_powersgd.bench import paired
 from horovod_powersgd.bench.paired import describe_plan
 from horovod_powersgd.bench.stats import Record
 
@@ -244,3 +246,32 @@ def test_report_renders_the_settings_the_records_carry_not_the_command_line(tmp_
     old = [dataclasses.replace(r, settings=None) for r in records]
     report.write_markdown(old, path, command="make bench")
     assert "not recorded" in path.read_text()
+
+
+def test_a_one_round_configurations_bytes_are_both_steps_mean_whatever_its_phase():
+    # rounds=1 sends Q and P on alternate steps; a block is 1 untimed + 3 timed steps, so its
+    # timed steps alone would count Q, P, Q in every block of one configuration and P, Q, P
+    # in another's, by the phase each happens to be at. Counted over whole blocks, both read
+    # the mean of a P step and a Q step.
+    class Counting:
+        def __init__(self, phase):
+            self.steps, self.phase = 0, phase
+
+        def __call__(self):  # bytes so far: 100 on P steps, 300 on Q steps
+            done = range(self.phase, self.phase + self.steps)
+            return dict.fromkeys(paired.COUNTED, sum(300 if i % 2 else 100 for i in done))
+
+    job = object.__new__(paired.Job)
+    job.args = argparse.Namespace(block_steps=3, model="tiny", bandwidth="50mbit", slowdown=0.0)
+    job.hvd = argparse.Namespace(size=lambda: 2)
+
+    def step(c):
+        c.counters.steps += 1
+        return 0.1
+
+    job.step = step
+    made = [paired.Contender("powersgd-1round", 2, None, None, Counting(p)) for p in (0, 1)]
+    for _ in range(5):
+        for c in made:
+            job.block(c)
+    assert [job.record(c).bytes_per_step for c in made] == [200.0, 200.0]
