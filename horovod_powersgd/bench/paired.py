@@ -60,6 +60,10 @@ class Contender:
     step_ms: list[float] = field(default_factory=list)
     sent: dict = field(default_factory=lambda: dict.fromkeys(COUNTED, 0.0))
     counted_steps: int = 0  # the steps `sent` counts: every step of every block
+    # rank="auto": its warm-up steps' seconds (the slowest rank's), and how many of them
+    # ran before its tuner first settled (its choice's cost: docs/auto.md).
+    warm_s: list[float] = field(default_factory=list)
+    settled_after: int | None = None
     # horovod-slowed: every pause's taken / asked, and how late its recent sleeps woke.
     pause_ratios: list[float] = field(default_factory=list)
     late_s: deque = field(default_factory=lambda: deque(maxlen=51))
@@ -155,13 +159,22 @@ class Job:
         if auto:
             steps = max(steps, AUTO_WARMUP_STEPS)
         for _ in range(steps):
-            self.step(c)
+            self._warm_step(c, auto)
         while auto and steps < AUTO_MAX_WARMUP_STEPS:
             if self._max([float(c.opt.powersgd_state.tuner.phase != "settled")], "settled")[0] == 0:
                 break
-            self.step(c)
+            self._warm_step(c, auto)
             steps += 1
         return steps
+
+    def _warm_step(self, c: Contender, auto: bool) -> None:
+        """A warm-up step; rank="auto": its time, and whether its tuner settled in it (one
+        plan for all ranks: each rank's tuner settles at the same step)."""
+        seconds = self.step(c)
+        if auto:
+            c.warm_s.append(seconds)
+            if c.settled_after is None and c.opt.powersgd_state.tuner.phase == "settled":
+                c.settled_after = len(c.warm_s)
 
     def block(self, c: Contender) -> None:
         """The first step after a switch untimed, then ``block_steps`` timed ones.
@@ -241,7 +254,7 @@ class Job:
             bytes_per_step=sent["bytes_sent"],
             plain_bytes_per_step=4.0 * sent["elements_uncompressed"],
             peak_rss_mb=[peak_rss_mb],
-            detail=_auto_detail(c),
+            detail=_auto_detail(c) + _settle_detail(c),
             settings={"slowdown": self.args.slowdown},
         )
         return dataclasses.replace(record, round_ms=list(c.round_ms))
@@ -265,6 +278,16 @@ def _auto_detail(c: Contender) -> str:
             1e3 * layout["flat_s"], 1e3 * layout["hierarchical_s"],
         )  # fmt: skip
     return text
+
+
+def _settle_detail(c: Contender) -> str:
+    """rank="auto": when its tuner settled, and what those steps took beside as many of its
+    settled steps (the timed ones' median): what measuring and trying cost."""
+    if c.settled_after is None:
+        return ""
+    n, settled_s = c.settled_after, confidence.median(c.step_ms) / 1e3 if c.step_ms else 0.0
+    spent = sum(c.warm_s[:n])
+    return f", settled after {n} steps, {spent:.1f} s ({n} settled steps: {n * settled_s:.1f} s)"
 
 
 def describe_plan(plan, bytes_per_s: float, latency_s: float) -> str:

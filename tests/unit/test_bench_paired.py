@@ -275,3 +275,34 @@ def test_a_one_round_configurations_bytes_are_both_steps_mean_whatever_its_phase
         for c in made:
             job.block(c)
     assert [job.record(c).bytes_per_step for c in made] == [200.0, 200.0]
+
+
+def test_autos_record_says_when_it_settled_and_what_those_steps_took():
+    # What turning rank="auto" on costs: the warm-up steps before its tuner settled (plain
+    # measuring steps, trials), in seconds beside as many steps of its settled plan.
+    class Tuner:
+        phase = "measure"
+
+    tuner = Tuner()
+    opt = argparse.Namespace(powersgd_state=argparse.Namespace(tuner=tuner))
+    job = object.__new__(paired.Job)
+    job.args = argparse.Namespace(warmup_steps=15, block_steps=3)
+    job._max = lambda values, name: values
+    steps = []
+
+    def step(c):  # 8 slow measuring steps, trials, then settled at the 14th step
+        steps.append(c)
+        if len(steps) == 14:
+            tuner.phase = "settled"
+        return 2.0 if len(steps) <= 8 else 0.5
+
+    job.step = step
+    auto = paired.Contender("powersgd-auto", None, None, opt, dict)
+    assert job.warm_up(auto) == paired.AUTO_WARMUP_STEPS
+    assert auto.settled_after == 14 and len(auto.warm_s) == paired.AUTO_WARMUP_STEPS
+    auto.step_ms = [500.0, 500.0, 510.0]
+    said = paired._settle_detail(auto)
+    assert said == ", settled after 14 steps, 19.0 s (14 settled steps: 7.0 s)"
+    fixed = paired.Contender("powersgd", 2, None, opt, dict)
+    job.warm_up(fixed)
+    assert fixed.warm_s == [] and paired._settle_detail(fixed) == ""
