@@ -10,10 +10,9 @@ import random
 
 import pytest
 
-from horovod_powersgd.bench import confidence, report, targets
+from horovod_powersgd.bench import confidence, paired, report, targets
 from horovod_powersgd.bench.__main__ import paired_command, parse_configs
 from horovod_powersgd.bench.confidence import Interval
-from horovod_powersgd.bench import paired
 from horovod_powersgd.bench.paired import describe_plan
 from horovod_powersgd.bench.stats import Record
 
