@@ -31,6 +31,9 @@ Configurations (``--configs``, comma separated; ``NAME:R`` picks a PowerSGD rank
                  rank="auto", both schedules (warm-up: until its tuner settles, >= 40 steps)
   powersgd-hier-auto
                  rank="auto" with hierarchical="auto": auto chooses flat or hierarchical too
+  powersgd-qbyq  powersgd (rounds=2, flat) with each bucket's Q sent alone as its P comes
+                 back, the order before 5a4e37f (bench/ablation.py): beside powersgd, what
+                 sending every Q in one grouped all-reduce changes
   horovod-slowed (--paired only) plain Horovod that sleeps --slowdown of its own step: the
                  proof that a paired job measures a slowdown of that size
   ddp            torch DistributedDataParallel over Gloo, plain all-reduce

@@ -24,6 +24,9 @@ HOROVOD_CONFIGS = (
     "powersgd-1round-auto",
     # hierarchical="auto" with rank="auto": auto chooses flat or hierarchical too.
     "powersgd-hier-auto",
+    # rounds=2 with each bucket's Q sent alone as its P comes back, the order before
+    # 5a4e37f (bench/ablation.py): beside "powersgd", what grouping the Q's changes.
+    "powersgd-qbyq",
 )
 # torch DistributedDataParallel: cannot share a process with Horovod.
 DDP_CONFIGS = ("ddp", "ddp-powersgd")
@@ -37,5 +40,6 @@ RANKED = (
     "powersgd-1round-fp16",
     "powersgd-nostats",
     "powersgd-hier",
+    "powersgd-qbyq",
     "ddp-powersgd",
 )

@@ -34,6 +34,12 @@ TIME_TARGETS = (
     # a model of 300 distinct layer shapes
     ("manyshapes", 2, "PowerSGD / plain Horovod", "powersgd", "horovod", "unlimited", 1.5),
     ("manyshapes", 2, "1-round / plain Horovod", "powersgd-1round", "horovod", "unlimited", 1.5),
+    # rounds=2: every Q in one grouped all-reduce, against each alone as its P comes back
+    # (bench/ablation.py): no slower (100mbit: the two-node ground)
+    ("resnet18", 2, "grouped Q / Q by Q", "powersgd", "powersgd-qbyq", "unlimited", 1.0),
+    ("resnet18", 2, "grouped Q / Q by Q", "powersgd", "powersgd-qbyq", "100mbit", 1.0),
+    ("smallstep", 2, "grouped Q / Q by Q", "powersgd", "powersgd-qbyq", "unlimited", 1.0),
+    ("smallstep", 2, "grouped Q / Q by Q", "powersgd", "powersgd-qbyq", "100mbit", 1.0),
 )  # fmt: skip
 # (model, rank, config, lower limit of plain fp32 bytes / bytes sent)
 BYTE_TARGETS = (

@@ -58,6 +58,10 @@ def _setup_horovod(args, model) -> tuple[torch.optim.Optimizer, Callable[[], dic
                 args.config, False
             ),
         )
+        if args.config == "powersgd-qbyq":
+            from .ablation import use_q_by_q
+
+            use_q_by_q(opt)
         counters = opt.compression_stats
     else:
         compression = (

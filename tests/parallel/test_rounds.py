@@ -247,3 +247,29 @@ def test_a_buckets_uncompressed_gradients_leave_as_one_flat_tensor(rounds, monke
     with opt.skip_synchronize():
         opt.step()
     assert_same_on_every_rank(model[0].bias, f"flat.rounds{rounds}")
+
+
+def test_the_benchs_q_by_q_order_trains_as_the_grouped_one(monkeypatch):
+    # bench/ablation.py keeps rounds=2's order before 5a4e37f (each bucket's Q alone, as
+    # its P comes back) so the paired bench can time it beside today's grouped Q round.
+    # The comparison means something only if both compute the same step: the same
+    # parameters (to float rounding: one batched projection against one per bucket),
+    # and Q by Q really is a request and a wait per bucket after the P's.
+    from horovod_powersgd.bench.ablation import use_q_by_q
+
+    monkeypatch.setattr(reducer_module, "BUCKET_BYTES", 2048)  # several buckets
+    grouped_model, q_model = make_model(), make_model()
+    grouped, q_by_q = powersgd(grouped_model, rank=2), powersgd(q_model, rank=2)
+    use_q_by_q(q_by_q)
+    train(grouped_model, grouped, steps=6)
+    train(q_model, q_by_q, steps=6)
+    for (n, a), b in zip(grouped_model.named_parameters(), q_model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=n)
+    assert_same_on_every_rank(q_model[0].weight, "qbyq.weight")
+    comm, names = q_by_q.powersgd_state.comm, []
+    launch = comm.allreduce_async
+    monkeypatch.setattr(comm, "allreduce_async", lambda t, n: names.append(n) or launch(t, n))
+    train(q_model, q_by_q, steps=1, first_step=6)
+    factored = [b for b in q_by_q.powersgd_state.reducer.sending if b.compressed]
+    qs = [n for n in names if n.endswith(".q")]
+    assert len(factored) >= 2 and len(qs) == len(factored), names  # a Q request per bucket
