@@ -48,6 +48,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -66,7 +67,7 @@ from .netcap import (
     parse_bandwidth,
     tc_commands,
 )
-from .paired import PAIRED_CONFIGS, describe_plan
+from .paired import PAIRED_CONFIGS, PROGRESS, describe_plan
 from .stats import Record, make_record
 
 KNOWN = tuple(dict.fromkeys((*CONFIGS, *PAIRED_CONFIGS)))
@@ -395,18 +396,36 @@ def paired_command(model: str, settings: dict, bandwidth: str, out_dir: Path):
     return horovod_launcher(settings, env) + job, env  # fmt: skip
 
 
+def run_watched(argv, env, progress: Path, idle_s: float, poll_s: float = 5.0):
+    """Run a paired job to its end, or kill it once `progress` (a file it touches after
+    every step) has been left alone for `idle_s` seconds, counting from the start: a job
+    that stalls ends, one that goes on runs as long as its warm-up and budget take.
+    Returns (failed, its output)."""
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(
+            argv, env=env, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        last = time.time()
+        while proc.poll() is None:
+            time.sleep(min(poll_s, idle_s))
+            if progress.exists():
+                last = max(last, progress.stat().st_mtime)
+            if time.time() - last > idle_s:
+                os.killpg(proc.pid, signal.SIGKILL)  # mpirun and the ranks it started here
+                proc.wait()
+                out.write(f"\n[bench] killed: no step for {idle_s:.0f} s")
+                break
+        out.seek(0)
+        return proc.returncode != 0, out.read()
+
+
 def run_paired(settings: dict, model: str, bandwidth: str) -> list[Record]:
     """One paired job for ``model`` at ``bandwidth``; then the DDP ones, a job each."""
     print(f"[bench] {bandwidth:>9} {model:8} paired job ...", file=sys.stderr, flush=True)
     records: list[Record] = []
     with tempfile.TemporaryDirectory(prefix="hps-bench-") as tmp:
         argv, env = paired_command(model, settings, bandwidth, Path(tmp))
-        timeout = settings["budget_s"] + settings["timeout_s"]
-        try:
-            proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
-            failed, log = proc.returncode != 0, proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as err:
-            failed, log = True, f"{err.stdout or ''}{err.stderr or ''}\nkilled after {timeout} s"
+        failed, log = run_watched(argv, env, Path(tmp) / PROGRESS, settings["timeout_s"])
         out = Path(tmp) / "paired.json"
         if failed or not out.exists():
             print(f"[bench] paired job FAILED:\n{log[-3000:]}", file=sys.stderr)
@@ -590,7 +609,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--fusion-threshold-mb", type=float, default=None, help="HOROVOD_FUSION_THRESHOLD for all"
     )
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=1800,
+        help="seconds per configuration; --paired: seconds a job may go without a step",
+    )
     p.add_argument("--json", type=Path, help="write the records as a JSON list here")
     p.add_argument("--plot", type=Path, help="write a PNG of median step times here")
     p.add_argument("--markdown", type=Path, help="write a report (tables, targets) here")

@@ -12,6 +12,8 @@ within +-1 % (targets.py), or when its time budget would run out, and says which
 
 Writes ``<out-dir>/paired.json`` on rank 0: per configuration the block median of every
 round, every timed step, the bytes it sent per step; the job's peak RSS and why it stopped.
+Rank 0 touches ``<out-dir>/progress`` after every step, warm-up or timed: the driver ends a
+job that has not for ``--timeout`` seconds (a stall), however long its warm-up.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ PAIRED_CONFIGS = ("local", *HOROVOD_CONFIGS, targets.SLOWED)
 # rank="auto" warms up until its tuner settles (every rank agrees), at most this long.
 AUTO_MAX_WARMUP_STEPS = 120
 STOP_CODES = (None, "precise", "budget", "max rounds")
+PROGRESS = "progress"  # in --out-dir: touched after every step
 
 
 @dataclass
@@ -113,6 +116,8 @@ class Job:
         self.batch = make_batch(args.batch_size, generator)
         self.started = time.monotonic()
         self.timing_from = self.started  # the budget counts from the end of the warm-up
+        # Rank 0 touches it after every step (`PROGRESS` in --out-dir).
+        self.progress = args.out_dir / PROGRESS if hvd.rank() == 0 else None
 
     def _max(self, values: list[float], name: str) -> list[float]:
         tensor = torch.tensor(values, dtype=torch.float64)
@@ -132,6 +137,8 @@ class Job:
         seconds, latest = self._max([seconds, late], "step")
         if c.slowdown:
             c.late_s.append(latest)
+        if self.progress is not None:  # the driver's stall guard reads its time
+            self.progress.touch()
         return seconds
 
     def _pause(self, c: Contender, step_s: float) -> float:
@@ -329,6 +336,7 @@ def main(argv=None) -> None:
     if any(config.startswith("powersgd-hier") for config, _ in plan):  # its sets come later
         os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
     hvd.init()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
     contenders = [build(config, rank, args) for config, rank in plan]
     job = Job(args, contenders, hvd)
     outcome = job.run()

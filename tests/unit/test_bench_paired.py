@@ -7,11 +7,13 @@ test_bench_intervals.py.
 import argparse
 import dataclasses
 import random
+import sys
+import time
 
 import pytest
 
 from horovod_powersgd.bench import confidence, paired, report, targets
-from horovod_powersgd.bench.__main__ import paired_command, parse_configs
+from horovod_powersgd.bench.__main__ import paired_command, parse_configs, run_watched
 from horovod_powersgd.bench.confidence import Interval
 from horovod_powersgd.bench.paired import describe_plan
 from horovod_powersgd.bench.stats import Record
@@ -305,3 +307,30 @@ def test_autos_record_says_when_it_settled_and_what_those_steps_took():
     fixed = paired.Contender("powersgd", 2, None, opt, dict)
     job.warm_up(fixed)
     assert fixed.warm_s == [] and paired._settle_detail(fixed) == ""
+
+
+def test_a_paired_job_is_ended_by_a_stall_not_by_its_length(tmp_path):
+    # The driver's limit on a paired job is time without a step (the job touches a file
+    # after each), not a total: a warm-up of hundreds of slow steps runs to its end, a job
+    # that stops stepping is killed (with what it started) and reported failed.
+    progress = tmp_path / "progress"
+    steps = (
+        "import pathlib, sys, time\n"
+        "p = pathlib.Path(sys.argv[1])\n"
+        "for _ in range(int(sys.argv[2])):\n"
+        "    p.touch(); time.sleep(0.2)\n"
+        "print('steps done', flush=True)\n"
+        "time.sleep(float(sys.argv[3]))\n"
+    )
+    started = time.monotonic()
+    failed, log = run_watched(
+        [sys.executable, "-c", steps, str(progress), "15", "0"], None, progress, 1.0, 0.1
+    )
+    assert not failed and "steps done" in log and time.monotonic() - started > 2.5, log
+    progress.unlink()
+    started = time.monotonic()
+    failed, log = run_watched(
+        [sys.executable, "-c", steps, str(progress), "3", "600"], None, progress, 1.0, 0.1
+    )
+    assert failed and "no step for 1 s" in log, log
+    assert time.monotonic() - started < 10, "killed within its idle limit, not at the end"
