@@ -40,6 +40,8 @@ TIME_TARGETS = (
     ("resnet18", 2, "grouped Q / Q by Q", "powersgd", "powersgd-qbyq", "100mbit", 1.0),
     ("smallstep", 2, "grouped Q / Q by Q", "powersgd", "powersgd-qbyq", "unlimited", 1.0),
     ("smallstep", 2, "grouped Q / Q by Q", "powersgd", "powersgd-qbyq", "100mbit", 1.0),
+    ("manyshapes", 2, "grouped Q / Q by Q", "powersgd", "powersgd-qbyq", "unlimited", 1.0),
+    ("manyshapes", 2, "grouped Q / Q by Q", "powersgd", "powersgd-qbyq", "100mbit", 1.0),
 )  # fmt: skip
 # (model, rank, config, lower limit of plain fp32 bytes / bytes sent)
 BYTE_TARGETS = (
