@@ -258,13 +258,18 @@ def test_the_benchs_q_by_q_order_trains_as_the_grouped_one(monkeypatch):
     from horovod_powersgd.bench.ablation import use_q_by_q
 
     monkeypatch.setattr(reducer_module, "BUCKET_BYTES", 2048)  # several buckets
-    grouped_model, q_model = make_model(), make_model()
+    grouped_model, q_model, start = make_model(), make_model(), make_model()
     grouped, q_by_q = powersgd(grouped_model, rank=2), powersgd(q_model, rank=2)
     use_q_by_q(q_by_q)
     train(grouped_model, grouped, steps=6)
     train(q_model, q_by_q, steps=6)
-    for (n, a), b in zip(grouped_model.named_parameters(), q_model.parameters()):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=n)
+    # The gap between the two, over the distance training moved each parameter: at most
+    # 2.3e-6 measured (seeds 0-9, 1 and 2 threads, 2 ranks); a Q in the wrong bucket or
+    # step would be of order 1.
+    for (n, a), b, s in zip(
+        grouped_model.named_parameters(), q_model.parameters(), start.parameters()
+    ):
+        assert (a - b).norm() <= 1e-4 * (a - s).norm(), n
     assert_same_on_every_rank(q_model[0].weight, "qbyq.weight")
     comm, names = q_by_q.powersgd_state.comm, []
     launch = comm.allreduce_async
